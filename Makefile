@@ -1,0 +1,30 @@
+# The two front doors: `make demo` (CPU demo run) and `make test` (the whole test suite, as CI runs it).
+# Both create .venv when missing and install mppo with the CPU constraints (torch pinned to the CPU wheel).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+CONSTRAINTS ?= constraints-cpu.txt
+STAMP := $(VENV)/.mppo-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py $(CONSTRAINTS)
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -U pip
+	# torch first, from the constraints, so no dependency can resolve a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) "$$(grep -E '^torch==' $(CONSTRAINTS))"
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[test]'
+	$(BIN)/python -m pip list 2>/dev/null | grep -E '^(torch|megatron-core|triton|transformers) '
+	touch $@
+
+demo: $(STAMP)
+	PATH="$(abspath $(BIN)):$$PATH" bash launch/demo_cpu.sh
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

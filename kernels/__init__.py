@@ -1,0 +1,1 @@
+"""Fused kernels (shipped as mppo.kernels)."""

@@ -1,0 +1,38 @@
+"""mppo: a Megatron-style PPO/GRPO trainer for LLMs (torchrun/Slurm, no Ray)."""
+from setuptools import find_packages, setup
+
+# megatron-core: 0.16.1 is the newest that declares Python 3.11 support; newer releases (0.17+, tested up to
+# 0.19.x with --ignore-requires-python) need Python >= 3.12. See README "Tested versions".
+CORE = [
+    "torch>=2.6",
+    "megatron-core>=0.14,<0.20",
+    "omegaconf>=2.3",
+    "numpy",
+    "transformers>=4.45",
+    "safetensors",
+    "tokenizers",
+    "pyarrow",
+    "tqdm",
+    "psutil",
+    "packaging",
+    "matplotlib",
+    "tensorboard",
+]
+
+setup(
+    name="mppo",
+    version="0.1.0",
+    description="Megatron-style PPO/GRPO trainer for LLMs: megatron-core actor/critic, SGLang rollout, Triton kernels",
+    python_requires=">=3.10",
+    packages=find_packages(include=["mppo", "mppo.*"]) + ["mppo.kernels"],
+    package_dir={"mppo.kernels": "kernels"},
+    package_data={"mppo": ["../configs/*.yaml"]},
+    install_requires=CORE,
+    extras_require={
+        # GPU-only packages; imported lazily, a run that needs one names this extra when it is missing.
+        "gpu": ["transformer-engine[pytorch]", "sglang", "triton"],
+        # triton is here too: its kernels are tested on CPU under TRITON_INTERPRET=1.
+        "test": ["pytest>=7", "pytest-timeout", "triton"],
+    },
+    entry_points={"console_scripts": ["mppo=mppo.cli:main"]},
+)
