@@ -1,0 +1,66 @@
+"""`mppo data countdown|multiply --out DIR ...`: write a generated task's train/test parquet files."""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from mppo.data.tasks import TEMPLATES, TaskGenerationError, write_task
+
+
+def _operand_range(text: str) -> int | tuple[int, int]:
+    """"3" → 3, "3-4" → (3, 4) (each problem draws its operand count from the range)."""
+    try:
+        if "-" in text:
+            low, high = text.split("-", 1)
+            return int(low), int(high)
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count like 3 or a range like 3-4, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mppo data", description="Generate TinyZero-style task data locally.")
+    tasks = parser.add_subparsers(dest="task", required=True, metavar="{countdown,multiply}")
+
+    def common(sub: argparse.ArgumentParser, train_size: int, test_size: int) -> None:
+        sub.add_argument("--out", required=True, help="directory for train.parquet and test.parquet")
+        sub.add_argument("--train-size", type=int, default=train_size)
+        sub.add_argument("--test-size", type=int, default=test_size)
+        sub.add_argument("--seed", type=int, default=0)
+        sub.add_argument("--template", choices=TEMPLATES, default="base",
+                         help="base: plain-text conversation; qwen-instruct: <|im_start|> chat markers")
+
+    countdown = tasks.add_parser("countdown", help="reach a target with + - * / using each number once")
+    common(countdown, train_size=10_000, test_size=1_000)
+    countdown.add_argument("--num-operands", type=_operand_range, default=3, help="a count (3) or a range (3-4)")
+    countdown.add_argument("--min-number", type=int, default=1)
+    countdown.add_argument("--max-number", type=int, default=100)
+    countdown.add_argument("--max-target", type=int, default=1000)
+
+    multiply = tasks.add_parser("multiply", help="multiply two integers")
+    common(multiply, train_size=10_000, test_size=1_000)
+    multiply.add_argument("--digits", type=int, default=3, help="operands have at most this many digits")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point for `mppo data ...`; `argv` are the arguments after `data`. Returns the exit status."""
+    args = build_parser().parse_args(argv)
+    if args.task == "countdown":
+        options = {"num_operands": args.num_operands, "min_number": args.min_number,
+                   "max_number": args.max_number, "max_target": args.max_target}
+    else:
+        options = {"digits": args.digits}
+    try:
+        train, test = write_task(args.task, args.out, train_size=args.train_size, test_size=args.test_size,
+                                 seed=args.seed, template=args.template, **options)
+    except TaskGenerationError as err:
+        print(f"mppo data {args.task}: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.train_size} train rows to {train} and {args.test_size} test rows to {test}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
