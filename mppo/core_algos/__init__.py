@@ -1,0 +1,104 @@
+"""PPO math for mppo: advantages, policy/value/entropy losses, KL penalties and controllers, loss aggregation.
+
+Pure torch (+ numpy), numerically equal to veRL 0.9.1 including its quirks (each one is named in the docstring
+of the function that has it; the full list is in ppo_math.md section 7). Modules:
+
+  masked.py            masked_sum/mean/var/whiten, entropy_from_logits, clip_by_value
+  agg.py               agg_loss and the global-batch facts it needs (GlobalBatchInfo)
+  kl.py                kl_penalty estimators, Fixed/Adaptive KL controllers, apply_kl_penalty
+  adv_registry.py      ADV_ESTIMATOR_REGISTRY and the estimator groups config validation checks
+  adv_token.py         GAE, REINFORCE++, ReMax
+  adv_group.py         GRPO, RLOO, OPO, GPG, pass@k, REINFORCE++-baseline (grouped by prompt uid)
+  adv_otb.py           optimal token baseline (per-time-step group baseline), plain and multi-turn
+  advantages.py        compute_advantage: dispatch by algorithm.adv_estimator
+  pg_registry.py       POLICY_LOSS_REGISTRY and PolicyLossParams (per-mode knobs)
+  pg_losses_token.py   vanilla (dual clip, clip-higher), dppo_tv/kl, cispo, sapo, gpg, dro
+  pg_losses_coupled.py gspo, geo_mean, clip_cov, kl_cov
+  losses.py            compute_policy_loss / compute_value_loss / compute_entropy_loss
+
+Imports only torch and numpy, so mppo.config can import the registries cheaply.
+"""
+from __future__ import annotations
+
+from .adv_group import (
+    compute_gpg_outcome_advantage,
+    compute_grpo_outcome_advantage,
+    compute_grpo_passk_outcome_advantage,
+    compute_grpo_vectorized_outcome_advantage,
+    compute_opo_outcome_advantage,
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+    compute_rloo_outcome_advantage,
+    compute_rloo_vectorized_outcome_advantage,
+    group_rows,
+)
+from .adv_otb import compute_multi_turn_optimal_token_baseline_advantage, compute_optimal_token_baseline_advantage
+from .adv_registry import (
+    ADV_ESTIMATOR_REGISTRY,
+    ESTIMATORS_NEEDING_CRITIC,
+    ESTIMATORS_NEEDING_GROUPS,
+    get_adv_estimator_fn,
+    register_adv_est,
+)
+from .adv_token import (
+    compute_gae_advantage_return,
+    compute_reinforce_plus_plus_outcome_advantage,
+    compute_remax_outcome_advantage,
+)
+from .advantages import compute_advantage
+from .agg import AGG_LOSS_MODES, GlobalBatchInfo, agg_loss
+from .kl import (
+    KL_CONTROLLER_TYPES,
+    KL_PENALTY_TYPES,
+    AdaptiveKLController,
+    FixedKLController,
+    UnknownKLPenaltyError,
+    apply_kl_penalty,
+    compute_rewards,
+    get_kl_controller,
+    kl_penalty,
+)
+from .losses import compute_entropy_loss, compute_policy_loss, compute_value_loss
+from .masked import clip_by_value, entropy_from_logits, masked_mean, masked_sum, masked_var, masked_whiten
+from .pg_losses_coupled import (
+    compute_policy_loss_clip_cov,
+    compute_policy_loss_geo_mean,
+    compute_policy_loss_gspo,
+    compute_policy_loss_kl_cov,
+)
+from .pg_losses_token import (
+    compute_policy_loss_cispo,
+    compute_policy_loss_dppo_kl,
+    compute_policy_loss_dppo_tv,
+    compute_policy_loss_dro,
+    compute_policy_loss_gpg,
+    compute_policy_loss_sapo,
+    compute_policy_loss_vanilla,
+)
+from .pg_registry import POLICY_LOSS_REGISTRY, PolicyLossParams, get_policy_loss_fn, register_policy_loss
+
+__all__ = [
+    # masked helpers
+    "masked_sum", "masked_mean", "masked_var", "masked_whiten", "entropy_from_logits", "clip_by_value",
+    # aggregation
+    "AGG_LOSS_MODES", "GlobalBatchInfo", "agg_loss",
+    # KL
+    "KL_PENALTY_TYPES", "KL_CONTROLLER_TYPES", "UnknownKLPenaltyError", "kl_penalty", "compute_rewards",
+    "FixedKLController", "AdaptiveKLController", "get_kl_controller", "apply_kl_penalty",
+    # advantages
+    "ADV_ESTIMATOR_REGISTRY", "ESTIMATORS_NEEDING_CRITIC", "ESTIMATORS_NEEDING_GROUPS", "register_adv_est",
+    "get_adv_estimator_fn", "compute_advantage", "group_rows",
+    "compute_gae_advantage_return", "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_remax_outcome_advantage", "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage",
+    "compute_rloo_vectorized_outcome_advantage", "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_opo_outcome_advantage", "compute_gpg_outcome_advantage", "compute_grpo_passk_outcome_advantage",
+    "compute_grpo_vectorized_outcome_advantage", "compute_optimal_token_baseline_advantage",
+    "compute_multi_turn_optimal_token_baseline_advantage",
+    # policy losses
+    "POLICY_LOSS_REGISTRY", "PolicyLossParams", "register_policy_loss", "get_policy_loss_fn",
+    "compute_policy_loss", "compute_policy_loss_vanilla", "compute_policy_loss_dppo_tv",
+    "compute_policy_loss_dppo_kl", "compute_policy_loss_cispo", "compute_policy_loss_sapo",
+    "compute_policy_loss_gpg", "compute_policy_loss_dro", "compute_policy_loss_gspo",
+    "compute_policy_loss_geo_mean", "compute_policy_loss_clip_cov", "compute_policy_loss_kl_cov",
+    # value / entropy
+    "compute_value_loss", "compute_entropy_loss",
+]
