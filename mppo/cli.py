@@ -1,0 +1,159 @@
+"""The `mppo` command: `mppo train` here, every other subcommand dispatched to the module that owns it.
+
+Works as the console script, as `python -m mppo ...` and under `torchrun -m mppo train ...` (then every rank
+loads and validates the config against torchrun's WORLD_SIZE; only rank 0 prints).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pkgutil
+import sys
+import warnings
+from typing import Sequence
+
+from mppo.config import ConfigError, load_config, to_yaml  # light: omegaconf + yaml, no torch
+
+# subcommand -> (module whose `main(argv: list[str]) -> int` runs it, one-line help). "{name}" in the module is
+# replaced by the subcommand's first argument (`mppo bench kernels` -> mppo.bench.kernels). One line per command.
+TOOLS: dict[str, tuple[str, str]] = {
+    "convert": ("mppo.models.convert", "convert checkpoints: hf-to-mcore, mcore-to-hf"),
+    "data": ("mppo.data.cli", "generate task datasets (countdown, multiply) as parquet"),
+    "bench": ("mppo.bench.{name}", "run a benchmark: mppo bench NAME (kernels, weight-sync, ...)"),
+    "plan": ("mppo.plan", "estimate per-GPU memory and step time of a config"),
+    "doctor": ("mppo.doctor", "check the installed GPU stack and what works"),
+    "sft": ("mppo.sft", "supervised fine-tuning (warm-up) of a model"),
+}
+USER_ERROR = 2  # exit code of a user mistake (same as argparse's)
+NOT_YET_MESSAGE = ("training is not available yet: the PPO trainer (issue 6) has not landed; "
+                   "use --dry-run to check a config")
+
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _error(message: str, every_rank: bool = False) -> int:
+    """Print a user error (no traceback). Config errors are the same on every rank: rank 0 alone says it."""
+    if every_rank and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        print(f"mppo: error [rank {os.environ.get('RANK', '?')}]: {message}", file=sys.stderr)
+    elif _is_rank0():
+        print(f"mppo: error: {message}", file=sys.stderr)
+    return USER_ERROR
+
+
+# What a subcommand may raise for bad user input (a missing file, a bad value); anything else keeps its traceback.
+USER_INPUT_ERRORS = (ConfigError, FileNotFoundError)
+
+
+def _missing(exc: ModuleNotFoundError, module: str) -> bool:
+    """True when `exc` says `module` itself (or a package above it) does not exist, not one of its imports."""
+    return exc.name is not None and (module == exc.name or module.startswith(exc.name + "."))
+
+
+# ------------------------------------------------------------------------------------------------------------ train
+def _train(args: argparse.Namespace) -> int:
+    path, overrides = None, list(args.items)
+    if overrides and "=" not in overrides[0]:
+        path = overrides.pop(0)
+    for item in overrides:
+        if "=" not in item:
+            return _error(f"'{item}' is not a key=value override (the config file, if any, comes first)")
+    world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cfg = load_config(path, overrides, world_size=world_size)
+    except USER_INPUT_ERRORS as e:
+        return _error(str(e))
+    if _is_rank0():
+        for w in caught:
+            print(f"mppo: warning: {w.message}", file=sys.stderr)
+    if args.dry_run:
+        if _is_rank0():
+            sys.stdout.write(to_yaml(cfg))
+        return 0
+    try:
+        trainer = importlib.import_module("mppo.trainer")
+    except ModuleNotFoundError as e:
+        if not _missing(e, "mppo.trainer"):
+            raise
+        return _error(NOT_YET_MESSAGE)
+    try:
+        return int(trainer.run(cfg) or 0)
+    except USER_INPUT_ERRORS as e:
+        return _error(str(e), every_rank=True)
+
+
+# ---------------------------------------------------------------------------------------------------------- tools
+def _available_benchmarks() -> list[str]:
+    try:
+        package = importlib.import_module("mppo.bench")
+    except ModuleNotFoundError:
+        return []
+    names = (m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_"))
+    return sorted(name.replace("_", "-") for name in names)
+
+
+def _run_tool(command: str, argv: list[str]) -> int:
+    module = TOOLS[command][0]
+    if "{name}" in module:
+        if not argv or argv[0].startswith("-"):
+            known = ", ".join(_available_benchmarks()) or "none yet"
+            return _error(f"usage: mppo {command} NAME [ARGS...]; available: {known}")
+        name, argv = argv[0], argv[1:]
+        module = module.format(name=name.replace("-", "_"))
+    try:
+        tool = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if not _missing(e, module):
+            raise  # the tool exists but one of its imports is missing: a real problem, keep the traceback
+        if "{name}" in TOOLS[command][0] and _available_benchmarks():
+            return _error(f"unknown {command} '{name}'; available: {', '.join(_available_benchmarks())}")
+        return _error(f"'mppo {command}' is not available yet: its module {module} has not landed")
+    try:
+        return int(tool.main(argv) or 0)
+    except USER_INPUT_ERRORS as e:
+        return _error(str(e), every_rank=True)
+
+
+# ----------------------------------------------------------------------------------------------------------- main
+def _add_train_arguments(train: argparse.ArgumentParser) -> None:
+    train.add_argument("items", nargs="*", metavar="[CONFIG.yaml] key=value",
+                       help="an optional YAML config followed by dotted overrides (veRL/Hydra style)")
+    train.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, then exit")
+
+
+TRAIN_HELP = "train a PPO/GRPO config (with --dry-run: validate it and print the resolved config)"
+TRAIN_DESCRIPTION = ("Load CONFIG.yaml over the defaults, apply key=value overrides, validate, and train. "
+                     "Example: mppo train configs/demo_cpu.yaml trainer.seed=1 --dry-run")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser, for `mppo --help` and unknown commands; subcommands parse their own arguments."""
+    parser = argparse.ArgumentParser(prog="mppo", description="Megatron-style PPO/GRPO trainer for LLMs.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_train_arguments(sub.add_parser("train", help=TRAIN_HELP, description=TRAIN_DESCRIPTION))
+    for command, (_, text) in TOOLS.items():
+        sub.add_parser(command, help=text, add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] in TOOLS:
+            return _run_tool(argv[0], argv[1:])  # the tool parses its own arguments
+        if argv and argv[0] == "train":
+            train = argparse.ArgumentParser(prog="mppo train", description=TRAIN_DESCRIPTION)
+            _add_train_arguments(train)
+            # intermixed: `mppo train cfg.yaml --dry-run a=1 b=2` keeps every override after the flag
+            return _train(train.parse_intermixed_args(argv[1:]))
+        build_parser().parse_args(argv)  # prints help or a usage error and exits
+        return USER_ERROR
+    except SystemExit as e:  # argparse printed usage or help, or a tool called sys.exit
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)  # sys.exit("message"): what Python itself would do
+        return 1

@@ -1,0 +1,256 @@
+"""Checks of a typed config that types alone cannot express: choices, ranges, parallel layout, batch arithmetic.
+
+Each failure is one ConfigError naming the key, what is wrong and how to fix it. Things that are legal but
+almost surely unintended are ConfigWarnings. Whether data files or model directories exist is left to the data
+loader and model builder (they report it with the file name).
+"""
+from __future__ import annotations
+
+import difflib
+import warnings
+from typing import Any, Callable, Iterable
+
+from mppo.config.loader import get_key, resolve, schema_leaves, show
+from mppo.config.schema import ACTOR, ConfigError, MppoConfig
+
+ROLLOUT = "actor_rollout_ref.rollout"
+REF = "actor_rollout_ref.ref"
+
+
+class ConfigWarning(UserWarning):
+    """A legal config that is almost surely not what the user meant."""
+
+
+def _fail(key: str, value: Any, problem: str, fix: str) -> ConfigError:
+    return ConfigError(f"{key} = {show(value)}: {problem}; {fix}")
+
+
+# --------------------------------------------------------------------------------------------------------- choices
+def _check_choice(key: str, value: Any, allowed: Iterable[str], what: str) -> None:
+    allowed = sorted(str(a) for a in allowed)
+    for item in value if isinstance(value, list) else [value]:
+        if item not in allowed:
+            near = difflib.get_close_matches(str(item), allowed, n=1)
+            hint = f" (did you mean '{near[0]}'?)" if near else ""
+            raise ConfigError(f"{key} = {item!r} is not a known {what}{hint}; choose one of: {', '.join(allowed)}")
+
+
+def _check_choices(cfg: MppoConfig) -> None:
+    for key, leaf in schema_leaves().items():
+        value = get_key(cfg, key)
+        if leaf.choices and value is not None:
+            _check_choice(key, value, leaf.choices, "value")
+    from mppo.core_algos import (  # lazy: core_algos imports torch
+        ADV_ESTIMATOR_REGISTRY, AGG_LOSS_MODES, KL_PENALTY_TYPES, POLICY_LOSS_REGISTRY)
+
+    _check_choice("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ADV_ESTIMATOR_REGISTRY,
+                  "advantage estimator")
+    _check_choice(f"{ACTOR}.policy_loss.loss_mode", cfg.actor_rollout_ref.actor.policy_loss.loss_mode,
+                  POLICY_LOSS_REGISTRY, "policy loss mode")
+    _check_choice(f"{ACTOR}.loss_agg_mode", cfg.actor_rollout_ref.actor.loss_agg_mode, AGG_LOSS_MODES,
+                  "loss aggregation mode")
+    _check_choice("critic.loss_agg_mode", cfg.critic.loss_agg_mode, AGG_LOSS_MODES, "loss aggregation mode")
+    _check_choice(f"{ACTOR}.kl_loss_type", cfg.actor_rollout_ref.actor.kl_loss_type, KL_PENALTY_TYPES,
+                  "KL estimator")
+    _check_choice("algorithm.kl_penalty", cfg.algorithm.kl_penalty, KL_PENALTY_TYPES, "KL estimator")
+
+
+# ---------------------------------------------------------------------------------------------------------- ranges
+def _at_least(lo: float) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v >= lo), f"must be >= {lo}"
+
+
+def _above(lo: float) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v > lo), f"must be > {lo}"
+
+
+def _fraction(lo_open: bool) -> tuple[Callable[[Any], bool], str]:
+    if lo_open:
+        return (lambda v: 0 < v <= 1), "must be in (0, 1]"
+    return (lambda v: 0 <= v <= 1), "must be in [0, 1]"
+
+
+_MINUS_ONE_OR_POSITIVE = ((lambda v: v == -1 or v >= 1), "must be -1 (off) or >= 1")
+_ROLES_MEGATRON = [f"{r}.megatron" for r in (ACTOR, REF, "critic")]
+_OPTIMS = [f"{ACTOR}.optim", "critic.optim"]
+
+# (keys, (predicate, problem)); a null value is skipped here (non-Optional keys cannot be null after loading).
+_RANGES: list[tuple[list[str], tuple[Callable[[Any], bool], str]]] = [
+    (["data.train_batch_size", "data.val_batch_size", "data.max_prompt_length", "data.max_response_length",
+      f"{ACTOR}.ppo_mini_batch_size", f"{ACTOR}.ppo_micro_batch_size_per_gpu", f"{ACTOR}.ppo_max_token_len_per_gpu",
+      f"{ACTOR}.ppo_epochs", f"{ROLLOUT}.n", f"{ROLLOUT}.tensor_model_parallel_size",
+      f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", f"{ROLLOUT}.weight_bucket_mb", f"{ROLLOUT}.val_kwargs.n",
+      f"{REF}.log_prob_micro_batch_size_per_gpu", "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu",
+      "critic.ppo_max_token_len_per_gpu", "critic.ppo_epochs", "algorithm.kl_ctrl.horizon", "trainer.total_epochs",
+      "trainer.total_training_steps", "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.max_ckpt_to_keep",
+      "trainer.collective_timeout_s"]
+     + [f"{m}.{k}" for m in _ROLES_MEGATRON for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                       "virtual_pipeline_model_parallel_size")], _at_least(1)),
+    ([f"{o}.{k}" for o in _OPTIMS for k in ("lr", "weight_decay", "clip_grad")]
+     + [f"{ACTOR}.kl_loss_coef", "algorithm.kl_ctrl.kl_coef", f"{ROLLOUT}.val_kwargs.temperature",
+        "trainer.critic_warmup", "trainer.max_consecutive_skips"], _at_least(0)),
+    ([f"{o}.eps" for o in _OPTIMS] + [f"{ACTOR}.clip_ratio", f"{ACTOR}.clip_ratio_low", f"{ACTOR}.clip_ratio_high",
+                                      "critic.cliprange_value", "algorithm.kl_ctrl.target_kl",
+                                      f"{ROLLOUT}.temperature"], _above(0)),
+    ([f"{ACTOR}.tau_pos", f"{ACTOR}.tau_neg", f"{ACTOR}.policy_loss.dro_beta"], _above(0)),
+    ([f"{ACTOR}.policy_loss.clip_cov_ratio", f"{ACTOR}.policy_loss.kl_cov_ratio"], _fraction(lo_open=False)),
+    ([f"{ACTOR}.clip_ratio_c"], ((lambda v: v > 1), "must be > 1 (dual-clip lower bound on -A x ratio)")),
+    ([f"{o}.{k}" for o in _OPTIMS for k in ("lr_warmup_steps_ratio", "min_lr_ratio")]
+     + ["algorithm.gamma", "algorithm.lam"], _fraction(lo_open=False)),
+    ([f"{ROLLOUT}.top_p", f"{ROLLOUT}.val_kwargs.top_p", f"{ROLLOUT}.gpu_memory_utilization"], _fraction(True)),
+    ([f"{o}.lr_warmup_steps" for o in _OPTIMS], ((lambda v: v >= -1), "must be -1 (use the ratio) or >= 0")),
+    ([f"{ROLLOUT}.top_k", f"{ROLLOUT}.val_kwargs.top_k", "trainer.save_freq", "trainer.test_freq"],
+     _MINUS_ONE_OR_POSITIVE),
+]
+
+
+def _check_ranges(cfg: MppoConfig) -> None:
+    for keys, (ok, problem) in _RANGES:
+        for key in keys:
+            value = get_key(cfg, key)
+            if value is not None and not ok(value):
+                raise ConfigError(f"{key} = {show(value)}: {problem}")
+    for opt in _OPTIMS:
+        betas = get_key(cfg, f"{opt}.betas")
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise _fail(f"{opt}.betas", betas, "Adam needs two betas in [0, 1)", "e.g. [0.9, 0.999]")
+    for m in _ROLES_MEGATRON:
+        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "use_distributed_optimizer",
+                  "recompute", "seed"):
+            if get_key(cfg, f"{m}.{k}") is None:
+                raise ConfigError(f"{m}.{k} is null; set it (only the critic's and ref's may be null: "
+                                  f"they then take the actor's)")
+
+
+# ---------------------------------------------------------------------------------------------------------- layout
+def _world(cfg: MppoConfig, world_size: int | None) -> tuple[int, str]:
+    t = cfg.trainer
+    planned = t.nnodes * t.n_gpus_per_node
+    if world_size is None:
+        return planned, f"trainer.nnodes x trainer.n_gpus_per_node = {t.nnodes} x {t.n_gpus_per_node}"
+    if world_size != planned:
+        per_node = f"trainer.n_gpus_per_node={world_size // t.nnodes}" if world_size % t.nnodes == 0 else \
+            f"trainer.nnodes=1 trainer.n_gpus_per_node={world_size}"
+        raise ConfigError(f"the launch has {world_size} ranks (WORLD_SIZE) but trainer.nnodes x "
+                          f"trainer.n_gpus_per_node = {t.nnodes} x {t.n_gpus_per_node} = {planned}; "
+                          f"set them to match the launch, e.g. {per_node}")
+    return world_size, f"WORLD_SIZE = {world_size}"
+
+
+def _data_parallel_size(cfg: MppoConfig, role: str, world: int, world_text: str) -> int:
+    """DP of `role` after checking that its TP x PP layout fits the world."""
+    m = f"{role}.megatron"
+    tp, pp = get_key(cfg, f"{m}.tensor_model_parallel_size"), get_key(cfg, f"{m}.pipeline_model_parallel_size")
+    if world % (tp * pp):
+        raise ConfigError(f"{m}: TP x PP = {tp} x {pp} = {tp * pp} does not divide the world size {world} "
+                          f"({world_text}); choose tensor/pipeline sizes whose product divides {world}")
+    vpp = get_key(cfg, f"{m}.virtual_pipeline_model_parallel_size")
+    if vpp is not None and pp < 2:
+        raise _fail(f"{m}.virtual_pipeline_model_parallel_size", vpp, "interleaving needs pipeline parallelism",
+                    f"set {m}.pipeline_model_parallel_size > 1 or virtual_pipeline_model_parallel_size=null")
+    return world // (tp * pp)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _check_batches(cfg: MppoConfig, role: str, dp: int) -> None:
+    """veRL semantics: a mini-batch counts prompts; with n samples each it holds mini x n samples over DP ranks."""
+    tbs, n = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n
+    mini, micro = get_key(cfg, f"{role}.ppo_mini_batch_size"), get_key(cfg, f"{role}.ppo_micro_batch_size_per_gpu")
+    if mini > tbs:
+        raise _fail(f"{role}.ppo_mini_batch_size", mini, f"larger than data.train_batch_size = {tbs}",
+                    f"use at most {tbs}")
+    if tbs % mini:
+        raise _fail(f"{role}.ppo_mini_batch_size", mini, f"does not divide data.train_batch_size = {tbs} into whole "
+                    "mini-batches", f"use a divisor of {tbs}: {_divisors(tbs)}")
+    samples = mini * n
+    if samples % dp:
+        raise _fail(f"{role}.ppo_mini_batch_size", mini, f"a mini-batch of {mini} x rollout.n {n} = {samples} samples "
+                    f"does not split over DP = {dp} ranks", f"make ppo_mini_batch_size x rollout.n a multiple of {dp}")
+    per_rank = samples // dp
+    if get_key(cfg, f"{role}.use_dynamic_bsz"):
+        budget = get_key(cfg, f"{role}.ppo_max_token_len_per_gpu")
+        longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+        if budget < longest:
+            raise _fail(f"{role}.ppo_max_token_len_per_gpu", budget, f"a single sequence can have {longest} tokens "
+                        "(max_prompt_length + max_response_length)", f"set it to at least {longest}")
+    elif per_rank % micro:
+        raise _fail(f"{role}.ppo_micro_batch_size_per_gpu", micro, f"does not divide the {per_rank} samples per DP "
+                    f"rank of a mini-batch ({mini} prompts x n {n} / DP {dp})", f"use a divisor of {per_rank}: "
+                    f"{_divisors(per_rank)}")
+
+
+def _check_log_prob_batches(cfg: MppoConfig, key: str, dp: int) -> None:
+    if cfg.actor_rollout_ref.actor.use_dynamic_bsz:
+        return
+    per_rank = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n // dp
+    micro = get_key(cfg, key)
+    if per_rank % micro:
+        raise _fail(key, micro, f"does not divide the {per_rank} samples per DP rank of a step "
+                    f"(train_batch_size x n / DP {dp})", f"use a divisor of {per_rank}: {_divisors(per_rank)}")
+
+
+# ------------------------------------------------------------------------------------------------------- algorithm
+def _check_algorithm(cfg: MppoConfig) -> None:
+    from mppo.core_algos import ESTIMATORS_NEEDING_CRITIC, ESTIMATORS_NEEDING_GROUPS
+
+    alg, actor, rollout = cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    if alg.adv_estimator in ESTIMATORS_NEEDING_CRITIC and not cfg.critic.enable:
+        raise _fail("critic.enable", cfg.critic.enable, f"algorithm.adv_estimator = '{alg.adv_estimator}' needs a "
+                    "critic's values", "set critic.enable=true (or null), or use an estimator without values (grpo)")
+    if cfg.critic.enable and alg.adv_estimator not in ESTIMATORS_NEEDING_CRITIC:
+        warnings.warn(f"critic.enable = true but algorithm.adv_estimator = '{alg.adv_estimator}' does not use "
+                      "values: the critic would train for nothing; set critic.enable=null", ConfigWarning, 3)
+    loss = actor.policy_loss
+    if loss.loss_mode == "dro" and loss.dro_beta is None:
+        raise _fail(f"{ACTOR}.policy_loss.dro_beta", None, "loss_mode 'dro' needs its penalty weight",
+                    "set it > 0, e.g. 0.1")
+    if loss.clip_cov_lb >= loss.clip_cov_ub:
+        raise _fail(f"{ACTOR}.policy_loss.clip_cov_lb", loss.clip_cov_lb, f"not below clip_cov_ub = "
+                    f"{loss.clip_cov_ub}", "make the lower bound smaller than the upper")
+    # A group of one has no baseline: GRPO would silently become unbaselined REINFORCE and RLOO the raw score.
+    if alg.adv_estimator in ESTIMATORS_NEEDING_GROUPS and rollout.n < 2:
+        raise _fail(f"{ROLLOUT}.n", rollout.n, f"algorithm.adv_estimator = '{alg.adv_estimator}' compares the "
+                    "responses of one prompt and needs at least 2 of them", f"set {ROLLOUT}.n >= 2 (e.g. 5)")
+    # veRL only warns; penalising the same KL twice is never what a recipe means, and the fix is one key.
+    if alg.use_kl_in_reward and actor.use_kl_loss:
+        raise ConfigError("algorithm.use_kl_in_reward and actor_rollout_ref.actor.use_kl_loss are both true: the KL "
+                          "to the reference would be penalised twice; set one of them to false")
+    if cfg.trainer.critic_warmup > 0 and not cfg.critic.enable:
+        raise _fail("trainer.critic_warmup", cfg.trainer.critic_warmup, "there is no critic to warm up",
+                    "set trainer.critic_warmup=0")
+    if cfg.actor_rollout_ref.model.transformer_impl == "te" and cfg.trainer.device == "cpu":
+        raise _fail("actor_rollout_ref.model.transformer_impl", "te", "Transformer Engine needs CUDA but "
+                    "trainer.device = 'cpu'", "use transformer_impl=local (or auto)")
+    val = rollout.val_kwargs
+    if val.n > 1 and not val.do_sample:
+        warnings.warn(f"{ROLLOUT}.val_kwargs.n = {val.n} with do_sample = false gives {val.n} identical greedy "
+                      "responses; set val_kwargs.do_sample=true or val_kwargs.n=1", ConfigWarning, 3)
+
+
+# ------------------------------------------------------------------------------------------------------ public API
+def validate(cfg: MppoConfig, world_size: int | None = None) -> None:
+    """Raise ConfigError for the first problem found; warn (ConfigWarning) for legal but suspicious settings.
+
+    `world_size`: ranks of the actual launch (torchrun's WORLD_SIZE); None: trainer.nnodes x n_gpus_per_node.
+    Inherited nulls are resolved first (on a copy), so a hand-built MppoConfig can be validated too.
+    """
+    cfg = resolve(cfg)
+    _check_choices(cfg)
+    _check_ranges(cfg)
+    _check_algorithm(cfg)
+    world, world_text = _world(cfg, world_size)
+    n_per_node, rollout_tp = cfg.trainer.n_gpus_per_node, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    if n_per_node % rollout_tp:
+        raise _fail(f"{ROLLOUT}.tensor_model_parallel_size", rollout_tp, f"an engine must live within one node of "
+                    f"{n_per_node} ranks (trainer.n_gpus_per_node)", f"use a divisor of {n_per_node}")
+    actor_dp = _data_parallel_size(cfg, ACTOR, world, world_text)
+    _check_batches(cfg, ACTOR, actor_dp)
+    _check_log_prob_batches(cfg, f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", actor_dp)
+    if cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss:
+        _check_log_prob_batches(cfg, f"{REF}.log_prob_micro_batch_size_per_gpu",
+                                _data_parallel_size(cfg, REF, world, world_text))
+    if cfg.critic.enable:
+        _check_batches(cfg, "critic", _data_parallel_size(cfg, "critic", world, world_text))

@@ -1,0 +1,251 @@
+"""The `mppo` command line: train --dry-run, user errors without tracebacks, subcommand dispatch."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mppo import cli
+from mppo.config import load_config, to_yaml
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = {  # recipe -> the world size it is meant for
+    "ppo_trainer.yaml": 8,
+    "demo_cpu.yaml": 2,
+    "countdown_qwen2.5_3b_ppo.yaml": 2,
+    "gsm8k_qwen2.5_7b_grpo.yaml": 8,
+    "qwen2.5_32b_4node.yaml": 32,
+}
+
+
+@pytest.fixture(autouse=True)
+def _not_under_torchrun(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def fake_module(monkeypatch, name: str, **attrs) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs)
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------------------- train
+def test_every_recipe_is_covered():
+    assert sorted(RECIPES) == sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_recipe_dry_run(capsys, monkeypatch, recipe):
+    path = str(REPO / "configs" / recipe)
+    code, out, err = run(capsys, "train", path, "--dry-run")
+    assert (code, err) == (0, "")
+    assert yaml.safe_load(out) == yaml.safe_load(to_yaml(load_config(path)))
+    printed = yaml.safe_load(out)["trainer"]
+    assert printed["nnodes"] * printed["n_gpus_per_node"] == RECIPES[recipe]
+    # The same under torchrun at the intended size: rank 0 prints, the others stay silent.
+    monkeypatch.setenv("WORLD_SIZE", str(RECIPES[recipe]))
+    monkeypatch.setenv("RANK", "0")
+    assert run(capsys, "train", path, "--dry-run")[:2] == (0, out)
+    monkeypatch.setenv("RANK", "1")
+    assert run(capsys, "train", path, "--dry-run") == (0, "", "")
+
+
+def test_recipe_purposes():
+    def layout(recipe: str):
+        cfg = load_config(str(REPO / "configs" / recipe))
+        m = cfg.actor_rollout_ref.actor.megatron
+        return (cfg.algorithm.adv_estimator, cfg.critic.enable, m.tensor_model_parallel_size,
+                m.pipeline_model_parallel_size, cfg.actor_rollout_ref.rollout.name)
+
+    assert layout("demo_cpu.yaml") == ("gae", True, 2, 1, "cpu")
+    assert layout("countdown_qwen2.5_3b_ppo.yaml") == ("gae", True, 2, 1, "sglang")
+    assert layout("gsm8k_qwen2.5_7b_grpo.yaml") == ("grpo", False, 2, 1, "sglang")
+    assert layout("qwen2.5_32b_4node.yaml") == ("grpo", False, 8, 4, "sglang")
+
+
+def test_dry_run_applies_overrides_in_any_position(capsys):
+    code, out, _ = run(capsys, "train", str(REPO / "configs/demo_cpu.yaml"), "trainer.seed=7", "--dry-run",
+                       "data.train_batch_size=64")
+    assert code == 0
+    printed = yaml.safe_load(out)
+    assert printed["trainer"]["seed"] == 7 and printed["data"]["train_batch_size"] == 64
+    assert printed["data"]["seed"] == 7  # inherited values are printed resolved
+
+
+def test_dry_run_without_a_file_prints_the_defaults(capsys):
+    code, out, _ = run(capsys, "train", "--dry-run")
+    assert code == 0 and yaml.safe_load(out) == yaml.safe_load(to_yaml(load_config(None)))
+
+
+def test_train_without_trainer_says_not_available(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mppo.trainer", None)  # as if the trainer had not landed
+    code, out, err = run(capsys, "train", str(REPO / "configs/demo_cpu.yaml"))
+    assert (code, out) == (2, "")
+    assert err == ("mppo: error: training is not available yet: the PPO trainer (issue 6) has not landed; "
+                   "use --dry-run to check a config\n")
+
+
+def test_train_hands_the_config_to_the_trainer(capsys, monkeypatch):
+    received = []
+    fake_module(monkeypatch, "mppo.trainer", run=lambda cfg: received.append(cfg) or 3)
+    code, _, _ = run(capsys, "train", str(REPO / "configs/demo_cpu.yaml"), "trainer.seed=5")
+    assert code == 3
+    assert received == [load_config(str(REPO / "configs/demo_cpu.yaml"), ["trainer.seed=5"])]
+
+
+def test_a_trainer_bug_keeps_its_traceback(capsys, monkeypatch):
+    def broken(cfg):
+        raise RuntimeError("bug")
+
+    fake_module(monkeypatch, "mppo.trainer", run=broken)
+    with pytest.raises(RuntimeError, match="bug"):
+        cli.main(["train", str(REPO / "configs/demo_cpu.yaml")])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "trainer.sed=1", "--dry-run"], "unknown key 'trainer.sed' (override 'trainer.sed=1'); "
+                                              "did you mean 'trainer.seed'?"),
+    (["train", "no/such.yaml", "--dry-run"], "config file not found: no/such.yaml"),
+    (["train", "critic.enable=false", "--dry-run"], "critic.enable = false: algorithm.adv_estimator = 'gae' needs"),
+    (["train", "a.yaml", "b.yaml"], "'b.yaml' is not a key=value override"),
+])
+def test_user_errors_are_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert (code, out) == (2, "")
+    assert err.startswith("mppo: error: " + message) and err.count("\n") == 1
+
+
+def test_world_size_from_torchrun_is_checked(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    code, _, err = run(capsys, "train", str(REPO / "configs/demo_cpu.yaml"), "--dry-run")
+    assert code == 2 and "the launch has 4 ranks (WORLD_SIZE)" in err
+    monkeypatch.setenv("RANK", "3")
+    assert run(capsys, "train", str(REPO / "configs/demo_cpu.yaml"), "--dry-run") == (2, "", "")  # rank 0 reports
+
+
+def test_warnings_are_printed_once(capsys):
+    code, _, err = run(capsys, "train", "actor_rollout_ref.rollout.val_kwargs.n=3", "--dry-run")
+    assert code == 0 and err.count("mppo: warning:") == 1 and "identical greedy responses" in err
+
+
+def test_help_and_unknown_command(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and all(name in out for name in ["train", *cli.TOOLS])
+    assert run(capsys, "train", "--help")[0] == 0
+    code, _, err = run(capsys, "frobnicate")
+    assert code == 2 and "invalid choice: 'frobnicate'" in err
+    assert run(capsys)[0] == 2
+
+
+# ---------------------------------------------------------------------------------------------------------- tools
+@pytest.mark.parametrize("command", sorted(cli.TOOLS))
+def test_tool_not_landed_yet(capsys, monkeypatch, command):
+    module = cli.TOOLS[command][0].format(name="kernels")
+    absent = "mppo.bench" if command == "bench" else module  # bench: the whole package is absent
+    monkeypatch.setitem(sys.modules, absent, None)
+    argv = [command, "kernels"] if "{name}" in cli.TOOLS[command][0] else [command]
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and "not available yet" in err and module in err
+
+
+def test_unknown_benchmark_lists_the_available_ones(capsys, monkeypatch, tmp_path):
+    (tmp_path / "alpha_beta.py").write_text("def main(argv):\n    return 0\n")
+    fake_module(monkeypatch, "mppo.bench", __path__=[str(tmp_path)])
+    code, _, err = run(capsys, "bench", "gamma")
+    assert code == 2 and err == "mppo: error: unknown bench 'gamma'; available: alpha-beta\n"
+    code, _, err = run(capsys, "bench")
+    assert code == 2 and "usage: mppo bench NAME [ARGS...]; available: alpha-beta" in err
+
+
+@pytest.mark.parametrize("command", sorted(cli.TOOLS))
+def test_tool_gets_its_arguments(capsys, monkeypatch, command):
+    calls = []
+    module = cli.TOOLS[command][0].format(name="weight_sync")
+    fake_module(monkeypatch, module, main=lambda argv: calls.append(argv) or 5)
+    name = ["weight-sync"] if "{name}" in cli.TOOLS[command][0] else []
+    assert cli.main([command, *name, "--out", "x", "a=b", "--help"]) == 5
+    assert calls == [["--out", "x", "a=b", "--help"]]
+
+
+def test_tool_user_error_and_bug(capsys, monkeypatch):
+    from mppo.config import ConfigError
+
+    def user_error(argv):
+        raise ConfigError("--tp 3 does not divide 4 ranks; use 1, 2 or 4")
+
+    fake_module(monkeypatch, "mppo.plan", main=user_error)
+    code, _, err = run(capsys, "plan", "cfg.yaml")
+    assert code == 2 and err == "mppo: error: --tp 3 does not divide 4 ranks; use 1, 2 or 4\n"
+
+    def bug(argv):
+        raise KeyError("bug")
+
+    fake_module(monkeypatch, "mppo.plan", main=bug)
+    with pytest.raises(KeyError):
+        cli.main(["plan"])
+
+
+def test_tool_missing_dependency_is_not_hidden(monkeypatch, tmp_path):
+    (tmp_path / "mppo_fake_tool.py").write_text("import mppo_no_such_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli.TOOLS, "doctor", ("mppo_fake_tool", "test"))
+    with pytest.raises(ModuleNotFoundError, match="mppo_no_such_dependency_xyz"):
+        cli.main(["doctor"])
+
+
+# ------------------------------------------------------------------------------------------------- real processes
+def _python_m_mppo(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    return subprocess.run([sys.executable, "-m", "mppo", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**clean, **(env or {})})
+
+
+def test_python_m_mppo_dry_run_prints_the_resolved_config():
+    done = _python_m_mppo("train", "configs/ppo_trainer.yaml", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    printed = yaml.safe_load(done.stdout)
+    assert printed == yaml.safe_load(to_yaml(load_config(str(REPO / "configs/ppo_trainer.yaml"))))
+    assert printed["critic"]["enable"] is True and printed["critic"]["ppo_mini_batch_size"] == 256
+
+
+def test_python_m_mppo_user_error_has_no_traceback():
+    done = _python_m_mppo("train", "configs/ppo_trainer.yaml", "actor_rollout_ref.actor.optim.lrr=1e-6")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == ("mppo: error: unknown key 'actor_rollout_ref.actor.optim.lrr' (override "
+                           "'actor_rollout_ref.actor.optim.lrr=1e-6'); did you mean "
+                           "'actor_rollout_ref.actor.optim.lr'?\n")
+
+
+def test_torchrun_dry_run_prints_once():
+    torchrun = Path(sys.executable).with_name("torchrun")
+    clean = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    done = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "mppo", "train",
+                           "configs/demo_cpu.yaml", "--dry-run"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=clean)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("actor_rollout_ref:") == 1
+    assert yaml.safe_load(done.stdout)["actor_rollout_ref"]["actor"]["megatron"]["tensor_model_parallel_size"] == 2
+
+
+@pytest.mark.parametrize("exit_arg, code", [(None, 0), (0, 0), (4, 4), ("tool says no", 1)])
+def test_tool_sys_exit_becomes_the_exit_code(capsys, monkeypatch, exit_arg, code):
+    def exits(argv):
+        sys.exit(exit_arg)
+
+    fake_module(monkeypatch, "mppo.doctor", main=exits)
+    assert cli.main(["doctor"]) == code
+    if isinstance(exit_arg, str):
+        assert capsys.readouterr().err == "tool says no\n"

@@ -1,0 +1,451 @@
+"""mppo.config: defaults, YAML + override loading, inheritance, validation errors, hashing."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mppo.config import ConfigError, ConfigWarning, MppoConfig, config_hash, load_config, to_yaml, validate
+from mppo.config.loader import schema_leaves
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULTS_YAML = REPO / "configs" / "ppo_trainer.yaml"
+ACTOR = "actor_rollout_ref.actor"
+
+
+def load(*overrides: str, path: str | Path | None = None, world_size: int | None = None) -> MppoConfig:
+    return load_config(None if path is None else str(path), list(overrides), world_size=world_size)
+
+
+def error_of(*overrides: str, path: str | Path | None = None, world_size: int | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load(*overrides, path=path, world_size=world_size)
+    message = str(info.value)
+    assert "\n" not in message, "a user error is one line"
+    return message
+
+
+def write(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------------- defaults
+def test_defaults_yaml_mirrors_dataclass_defaults():
+    from_yaml = yaml.safe_load(DEFAULTS_YAML.read_text())
+    assert from_yaml == dataclasses.asdict(MppoConfig())
+
+
+def test_defaults_yaml_has_a_comment_on_every_key():
+    for number, line in enumerate(DEFAULTS_YAML.read_text().splitlines(), 1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            assert re.search(r"\S.*:.*#\s*\S", line), f"ppo_trainer.yaml line {number} has no comment: {line!r}"
+
+
+def test_loading_the_defaults_file_changes_nothing():
+    assert load(path=DEFAULTS_YAML) == load()
+
+
+# Defaults copied by hand from veRL's _generated_ppo_megatron_trainer.yaml (0.9 line), for the keys both have.
+VERL_DEFAULTS = {
+    "data.train_batch_size": 1024, "data.max_prompt_length": 512, "data.max_response_length": 512,
+    "data.prompt_key": "prompt", "data.filter_overlong_prompts": False, "data.shuffle": True,
+    f"{ACTOR}.optim.lr": 1e-6, f"{ACTOR}.optim.weight_decay": 0.01, f"{ACTOR}.optim.betas": [0.9, 0.999],
+    f"{ACTOR}.optim.clip_grad": 1.0, f"{ACTOR}.optim.lr_warmup_steps": -1, f"{ACTOR}.optim.lr_warmup_steps_ratio": 0.0,
+    f"{ACTOR}.ppo_mini_batch_size": 256, f"{ACTOR}.use_dynamic_bsz": False, f"{ACTOR}.ppo_max_token_len_per_gpu": 16384,
+    f"{ACTOR}.clip_ratio": 0.2, f"{ACTOR}.clip_ratio_low": 0.2, f"{ACTOR}.clip_ratio_high": 0.2,
+    f"{ACTOR}.clip_ratio_c": 3.0, f"{ACTOR}.loss_agg_mode": "token-mean", f"{ACTOR}.policy_loss.loss_mode": "vanilla",
+    f"{ACTOR}.policy_loss.clip_cov_ratio": 0.0002, f"{ACTOR}.policy_loss.clip_cov_lb": 1.0,
+    f"{ACTOR}.policy_loss.clip_cov_ub": 5.0, f"{ACTOR}.policy_loss.kl_cov_ratio": 0.0002,
+    f"{ACTOR}.policy_loss.ppo_kl_coef": 0.1, f"{ACTOR}.entropy_coeff": 0, f"{ACTOR}.use_kl_loss": False,
+    f"{ACTOR}.kl_loss_coef": 0.001, f"{ACTOR}.kl_loss_type": "low_var_kl", f"{ACTOR}.ppo_epochs": 1,
+    f"{ACTOR}.shuffle": False, f"{ACTOR}.megatron.tensor_model_parallel_size": 1,
+    f"{ACTOR}.megatron.pipeline_model_parallel_size": 1, f"{ACTOR}.megatron.virtual_pipeline_model_parallel_size": None,
+    f"{ACTOR}.megatron.use_distributed_optimizer": True, f"{ACTOR}.megatron.seed": 42,
+    "actor_rollout_ref.model.trust_remote_code": False,
+    "actor_rollout_ref.rollout.temperature": 1.0, "actor_rollout_ref.rollout.top_k": -1,
+    "actor_rollout_ref.rollout.top_p": 1.0, "actor_rollout_ref.rollout.gpu_memory_utilization": 0.5,
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": 2, "actor_rollout_ref.rollout.n": 1,
+    "actor_rollout_ref.rollout.weight_bucket_mb": 512, "actor_rollout_ref.rollout.val_kwargs.top_k": -1,
+    "actor_rollout_ref.rollout.val_kwargs.top_p": 1.0, "actor_rollout_ref.rollout.val_kwargs.temperature": 0,
+    "actor_rollout_ref.rollout.val_kwargs.n": 1, "actor_rollout_ref.rollout.val_kwargs.do_sample": False,
+    "critic.optim.lr": 1e-5, "critic.ppo_mini_batch_size": 256, "critic.ppo_max_token_len_per_gpu": 32768,
+    "critic.ppo_epochs": 1, "critic.cliprange_value": 0.5, "critic.loss_agg_mode": "token-mean",
+    "algorithm.gamma": 1.0, "algorithm.lam": 1.0, "algorithm.adv_estimator": "gae",
+    "algorithm.norm_adv_by_std_in_grpo": True, "algorithm.use_kl_in_reward": False, "algorithm.kl_penalty": "kl",
+    "algorithm.kl_ctrl.type": "fixed", "algorithm.kl_ctrl.kl_coef": 0.001, "algorithm.kl_ctrl.horizon": 10000,
+    "algorithm.kl_ctrl.target_kl": 0.1, "reward.custom_fn.name": "compute_score",
+    "trainer.total_epochs": 30, "trainer.total_training_steps": None, "trainer.save_freq": -1,
+    "trainer.test_freq": -1, "trainer.val_before_train": True, "trainer.critic_warmup": 0, "trainer.nnodes": 1,
+    "trainer.n_gpus_per_node": 8, "trainer.resume_mode": "auto", "trainer.max_ckpt_to_keep": None,
+}
+
+
+def test_resolved_defaults_equal_verl_defaults():
+    cfg = load()
+    for key, expected in VERL_DEFAULTS.items():
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        assert value == expected, key
+
+
+# ------------------------------------------------------------------------------------------------------ overrides
+def test_overrides_parse_as_yaml_values():
+    cfg = load(f"{ACTOR}.optim.lr=3e-6", "critic.optim.lr=0.5", "data.train_batch_size=512",
+               f"{ACTOR}.ppo_mini_batch_size=128", f"{ACTOR}.use_kl_loss=true", f"{ACTOR}.shuffle=True",
+               "data.shuffle=false", f"{ACTOR}.optim.betas=[0.8, 0.95]", "trainer.logger=[console,wandb]",
+               "data.train_files=/d/train.parquet", "data.val_files=['/d/a.parquet', '/d/b.parquet']",
+               "trainer.total_training_steps=null", "+trainer.experiment_name=run 7",
+               "actor_rollout_ref.rollout.val_kwargs.top_p=0.9", "algorithm.kl_ctrl.horizon=500")
+    assert cfg.actor_rollout_ref.actor.optim.lr == 3e-6 and isinstance(cfg.actor_rollout_ref.actor.optim.lr, float)
+    assert cfg.critic.optim.lr == 0.5
+    assert cfg.data.train_batch_size == 512 and isinstance(cfg.data.train_batch_size, int)
+    assert cfg.actor_rollout_ref.actor.use_kl_loss is True and cfg.actor_rollout_ref.actor.shuffle is True
+    assert cfg.data.shuffle is False
+    assert cfg.actor_rollout_ref.actor.optim.betas == [0.8, 0.95]
+    assert cfg.trainer.logger == ["console", "wandb"]
+    assert cfg.data.train_files == ["/d/train.parquet"]  # one path for a list key, as veRL accepts
+    assert cfg.data.val_files == ["/d/a.parquet", "/d/b.parquet"]
+    assert cfg.trainer.total_training_steps is None
+    assert cfg.trainer.experiment_name == "run 7"
+    assert cfg.actor_rollout_ref.rollout.val_kwargs.top_p == 0.9
+    assert cfg.algorithm.kl_ctrl.horizon == 500
+
+
+def test_later_values_win_and_file_comes_before_overrides(tmp_path):
+    path = write(tmp_path, "trainer:\n  seed: 7\n  project_name: p\ndata:\n  max_prompt_length: 100\n")
+    cfg = load("trainer.seed=8", "trainer.seed=9", path=path)
+    assert (cfg.trainer.seed, cfg.trainer.project_name, cfg.data.max_prompt_length) == (9, "p", 100)
+    assert cfg.data.max_response_length == 512  # untouched keys keep the defaults
+
+
+def test_interpolations_resolve(tmp_path, monkeypatch):
+    monkeypatch.setenv("MPPO_TEST_RUN_DIR", "/runs/x")
+    cfg = load("trainer.project_name=proj", "trainer.experiment_name=exp",
+               "actor_rollout_ref.model.path=${oc.env:MPPO_TEST_RUN_DIR}/model",
+               "data.train_files=${oc.env:MPPO_TEST_RUN_DIR}/train.parquet")
+    assert cfg.trainer.default_local_dir == "checkpoints/proj/exp"
+    assert cfg.actor_rollout_ref.model.path == "/runs/x/model"
+    assert cfg.data.train_files == ["/runs/x/train.parquet"]
+
+
+def test_bad_interpolation_names_the_key():
+    message = error_of("trainer.seed=${trainer.project_name}")
+    assert message.startswith("trainer.seed: cannot resolve '${trainer.project_name}' as an integer")
+
+
+@pytest.mark.parametrize("text", ["trainer.seed", "=3", "trainer..seed=1", "a.b=[1,"])
+def test_malformed_override(text):
+    assert "override" in error_of(text)
+
+
+# ---------------------------------------------------------------------------------------------------- inheritance
+def test_nulls_inherit_their_parents():
+    cfg = load(f"{ACTOR}.ppo_mini_batch_size=64", f"{ACTOR}.ppo_micro_batch_size_per_gpu=2", f"{ACTOR}.ppo_epochs=3",
+               f"{ACTOR}.megatron.tensor_model_parallel_size=2", f"{ACTOR}.megatron.recompute=full",
+               f"{ACTOR}.clip_ratio=0.3", f"{ACTOR}.clip_ratio_high=0.28", "trainer.seed=5",
+               "actor_rollout_ref.model.path=/m", "critic.megatron.pipeline_model_parallel_size=2")
+    critic, ref, actor = cfg.critic, cfg.actor_rollout_ref.ref, cfg.actor_rollout_ref.actor
+    assert (critic.ppo_mini_batch_size, critic.ppo_micro_batch_size_per_gpu, critic.ppo_epochs) == (64, 2, 3)
+    assert critic.megatron.tensor_model_parallel_size == 2 and critic.megatron.recompute == "full"
+    assert critic.megatron.pipeline_model_parallel_size == 2  # set explicitly: not overwritten by the actor's
+    assert ref.megatron.tensor_model_parallel_size == 2 and ref.megatron.pipeline_model_parallel_size == 1
+    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.3, 0.28)
+    assert (cfg.data.seed, actor.megatron.seed, critic.megatron.seed, ref.megatron.seed) == (5, 5, 5, 5)
+    assert cfg.actor_rollout_ref.model.tokenizer_path == "/m" and critic.model.path == "/m"
+    assert cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu == 2
+    assert ref.log_prob_micro_batch_size_per_gpu == 2
+
+
+def test_critic_enable_follows_the_estimator_and_vpp_one_means_none():
+    assert load().critic.enable is True  # gae
+    assert load("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4").critic.enable is False
+    cfg = load(f"{ACTOR}.megatron.pipeline_model_parallel_size=2",
+               f"{ACTOR}.megatron.virtual_pipeline_model_parallel_size=2",
+               "critic.megatron.virtual_pipeline_model_parallel_size=1")
+    assert cfg.actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size == 2
+    assert cfg.actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size == 2
+    assert cfg.critic.megatron.virtual_pipeline_model_parallel_size is None
+
+
+# ------------------------------------------------------------------------------------------------- unknown / types
+def test_unknown_key_in_override_suggests_the_closest():
+    message = error_of(f"{ACTOR}.optim.lrr=1e-6")
+    assert message == (f"unknown key '{ACTOR}.optim.lrr' (override '{ACTOR}.optim.lrr=1e-6'); "
+                       f"did you mean '{ACTOR}.optim.lr'?")
+    assert "did you mean 'trainer.seed'?" in error_of("traner.seed=1")
+    assert f"'{ACTOR}.optim.lr' or 'critic.optim.lr'" in error_of("trainer.lr=1")  # right name, wrong section
+    assert "lists every key" in error_of("trainer.frobnicate=1")
+
+
+def test_unknown_key_in_file_names_file_and_suggestion(tmp_path):
+    path = write(tmp_path, "algorithm:\n  kl_ctrl:\n    kl_coeff: 0.01\n")
+    message = error_of(path=path)
+    assert f"unknown key 'algorithm.kl_ctrl.kl_coeff' (in {path})" in message
+    assert "did you mean 'algorithm.kl_ctrl.kl_coef'?" in message
+    assert "unknown key 'defaults'" in error_of(path=write(tmp_path, "defaults: [ppo_trainer]\n", "d.yaml"))
+
+
+def test_a_section_is_not_a_value(tmp_path):
+    assert "'critic' is a section, not a value" in error_of("critic=3")
+    assert load(path=write(tmp_path, "critic:\ntrainer: {}\n")) == load()  # empty sections change nothing
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("trainer.seed=abc", "trainer.seed must be an integer, got 'abc'"),
+    ("trainer.seed=1.5", "trainer.seed must be an integer, got 1.5"),
+    (f"{ACTOR}.optim.lr=fast", f"{ACTOR}.optim.lr must be a number, got 'fast'"),
+    (f"{ACTOR}.use_kl_loss=5", f"{ACTOR}.use_kl_loss must be true or false, got 5"),
+    (f"{ACTOR}.use_kl_loss=null", f"{ACTOR}.use_kl_loss must be true or false, got null"),
+    (f"{ACTOR}.optim.betas=0.9", f"{ACTOR}.optim.betas must be a list of numbers, got 0.9"),
+    (f"{ACTOR}.optim.betas=[a,b]", f"{ACTOR}.optim.betas must be a list of numbers"),
+    ("data.train_batch_size=null", "data.train_batch_size must be an integer, got null"),
+    ("data.val_batch_size=x", "data.val_batch_size must be an integer or null, got 'x'"),
+    ("trainer.project_name=[a]", "trainer.project_name must be a string, got ['a']"),
+])
+def test_wrong_type(override, expected):
+    message = error_of(override)
+    assert message.startswith(expected) and f"(override '{override}')" in message
+
+
+def test_wrong_type_in_file(tmp_path):
+    path = write(tmp_path, "trainer:\n  nnodes: two\n")
+    assert error_of(path=path) == f"trainer.nnodes must be an integer, got 'two' (in {path})"
+
+
+def test_yaml_file_problems(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config file not found: .*nope.yaml"):
+        load(path=tmp_path / "nope.yaml")
+    dup = write(tmp_path, "trainer:\n  seed: 1\n  seed: 2\n", "dup.yaml")
+    assert error_of(path=dup) == f"{dup}: line 3 is not valid YAML: key 'seed' appears twice"
+    assert "is not valid YAML" in error_of(path=write(tmp_path, "trainer: [1,\n", "bad.yaml"))
+    assert "top level must be a mapping" in error_of(path=write(tmp_path, "- 1\n", "list.yaml"))
+
+
+# -------------------------------------------------------------------------------------------------------- choices
+@pytest.mark.parametrize("override, expected", [
+    ("algorithm.adv_estimator=grpoo", "algorithm.adv_estimator = 'grpoo' is not a known advantage estimator "
+                                      "(did you mean 'grpo'?); choose one of: gae,"),
+    (f"{ACTOR}.policy_loss.loss_mode=vanila", "is not a known policy loss mode (did you mean 'vanilla'?)"),
+    (f"{ACTOR}.loss_agg_mode=token_mean", "is not a known loss aggregation mode (did you mean 'token-mean'?)"),
+    ("critic.loss_agg_mode=seq-mean", "critic.loss_agg_mode = 'seq-mean' is not a known loss aggregation mode"),
+    (f"{ACTOR}.kl_loss_type=low_var", f"{ACTOR}.kl_loss_type = 'low_var' is not a known KL estimator"),
+    ("algorithm.kl_penalty=k4", "algorithm.kl_penalty = 'k4' is not a known KL estimator"),
+    ("actor_rollout_ref.model.transformer_impl=tee", "choose one of: auto, local, te"),
+    ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.name = 'vllm' is not a known value"),
+    ("trainer.logger=[console,mlflow]", "trainer.logger = 'mlflow' is not a known value"),
+    (f"{ACTOR}.megatron.recompute=some", "choose one of: full, none, selective"),
+])
+def test_bad_choice(override, expected):
+    assert expected in error_of(override)
+
+
+def test_choices_come_from_the_core_algos_registries():
+    from mppo.core_algos import (ADV_ESTIMATOR_REGISTRY, AGG_LOSS_MODES, ESTIMATORS_NEEDING_GROUPS,
+                                 KL_PENALTY_TYPES, POLICY_LOSS_REGISTRY)
+
+    for name in ADV_ESTIMATOR_REGISTRY:
+        n = 4 if name in ESTIMATORS_NEEDING_GROUPS else 1
+        load(f"algorithm.adv_estimator={name}", f"actor_rollout_ref.rollout.n={n}", "critic.enable=null")
+    for mode in POLICY_LOSS_REGISTRY:
+        load(f"{ACTOR}.policy_loss.loss_mode={mode}", f"{ACTOR}.policy_loss.dro_beta=0.1")
+    for mode in AGG_LOSS_MODES:
+        load(f"{ACTOR}.loss_agg_mode={mode}")
+    for kl in KL_PENALTY_TYPES:
+        load(f"{ACTOR}.kl_loss_type={kl}", f"algorithm.kl_penalty={kl}")
+
+
+# --------------------------------------------------------------------------------------------------------- ranges
+@pytest.mark.parametrize("override, expected", [
+    (f"{ACTOR}.clip_ratio=0", f"{ACTOR}.clip_ratio = 0.0: must be > 0"),
+    (f"{ACTOR}.clip_ratio_low=-0.1", f"{ACTOR}.clip_ratio_low = -0.1: must be > 0"),
+    (f"{ACTOR}.clip_ratio_high=0", f"{ACTOR}.clip_ratio_high = 0.0: must be > 0"),
+    (f"{ACTOR}.clip_ratio_c=1.0", f"{ACTOR}.clip_ratio_c = 1.0: must be > 1"),
+    ("critic.cliprange_value=0", "critic.cliprange_value = 0.0: must be > 0"),
+    ("actor_rollout_ref.rollout.temperature=0", "actor_rollout_ref.rollout.temperature = 0.0: must be > 0"),
+    ("actor_rollout_ref.rollout.top_p=1.5", "must be in (0, 1]"),
+    ("actor_rollout_ref.rollout.n=0", "actor_rollout_ref.rollout.n = 0: must be >= 1"),
+    ("algorithm.gamma=1.1", "algorithm.gamma = 1.1: must be in [0, 1]"),
+    ("trainer.save_freq=0", "trainer.save_freq = 0: must be -1 (off) or >= 1"),
+    ("critic.optim.lr=-1e-5", "critic.optim.lr = -1e-05: must be >= 0"),
+    (f"{ACTOR}.optim.betas=[0.9]", f"{ACTOR}.optim.betas = [0.9]: Adam needs two betas in [0, 1)"),
+    (f"{ACTOR}.megatron.tensor_model_parallel_size=null", f"{ACTOR}.megatron.tensor_model_parallel_size is null"),
+])
+def test_out_of_range(override, expected):
+    assert expected in error_of(override)
+
+
+# -------------------------------------------------------------------------------------------------- layout, sizes
+def test_world_size_must_match_the_launch():
+    load(world_size=8)
+    message = error_of(world_size=4)
+    assert message.startswith("the launch has 4 ranks (WORLD_SIZE) but trainer.nnodes x trainer.n_gpus_per_node")
+    assert "trainer.n_gpus_per_node=4" in message
+
+
+@pytest.mark.parametrize("role", [ACTOR, "critic", "actor_rollout_ref.ref"])
+def test_tp_times_pp_must_divide_the_world(role):
+    kl = [f"{ACTOR}.use_kl_loss=true"] if role.endswith("ref") else []  # the ref is only built when KL is used
+    message = error_of(f"{role}.megatron.tensor_model_parallel_size=3", *kl)
+    assert message.startswith(f"{role}.megatron: TP x PP = 3 x 1 = 3 does not divide the world size 8")
+    message = error_of(f"{role}.megatron.pipeline_model_parallel_size=4",
+                       f"{role}.megatron.tensor_model_parallel_size=4", "trainer.nnodes=2",
+                       "trainer.n_gpus_per_node=4", *kl)
+    assert message.startswith(f"{role}.megatron: TP x PP = 4 x 4 = 16 does not divide the world size 8")
+
+
+def test_unused_ref_and_critic_layouts_are_not_checked():
+    load("actor_rollout_ref.ref.megatron.tensor_model_parallel_size=3")  # no KL: no reference model
+    load("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
+         "critic.megatron.tensor_model_parallel_size=3")  # no critic
+
+
+def test_virtual_pipeline_needs_pipeline():
+    message = error_of(f"{ACTOR}.megatron.virtual_pipeline_model_parallel_size=2")
+    assert message.startswith(f"{ACTOR}.megatron.virtual_pipeline_model_parallel_size = 2: interleaving needs")
+    load(f"{ACTOR}.megatron.virtual_pipeline_model_parallel_size=1")  # 1 = no interleaving
+
+
+def test_rollout_engine_must_fit_in_a_node():
+    message = error_of("actor_rollout_ref.rollout.tensor_model_parallel_size=3")
+    assert "an engine must live within one node of 8 ranks" in message
+
+
+def _splits_evenly(train_batch: int, n: int, mini: int, micro: int, dp: int) -> bool:
+    """Reference: deal a step's samples into mini-batches, those over DP ranks, those into micro-batches."""
+    samples = list(range(train_batch * n))
+    minis = [samples[i:i + mini * n] for i in range(0, len(samples), mini * n)]
+    if mini > train_batch or any(len(m) != mini * n for m in minis):
+        return False
+    for m in minis:
+        shards = [m[r::dp] for r in range(dp)]
+        if len({len(s) for s in shards}) != 1:
+            return False
+        if any(len(s[i:i + micro]) != micro for s in shards for i in range(0, len(s), micro)):
+            return False
+    return True
+
+
+def test_batch_arithmetic_matches_an_explicit_split():
+    cases = itertools.product([6, 8, 12], [1, 2, 3], [2, 3, 4, 8, 16], [1, 2, 3, 4], [(1, 1), (2, 1), (1, 2)])
+    outcomes = []
+    for train_batch, n, mini, micro, (tp, dp_div) in cases:
+        dp = 4 // tp // dp_div
+        overrides = [f"data.train_batch_size={train_batch}", f"actor_rollout_ref.rollout.n={n}",
+                     f"{ACTOR}.ppo_mini_batch_size={mini}", f"{ACTOR}.ppo_micro_batch_size_per_gpu={micro}",
+                     f"{ACTOR}.megatron.tensor_model_parallel_size={tp}",
+                     f"{ACTOR}.megatron.pipeline_model_parallel_size={dp_div}", "trainer.n_gpus_per_node=4",
+                     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+                     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1"]
+        expected = _splits_evenly(train_batch, n, mini, micro, dp)
+        try:
+            load(*overrides)
+            ok = True
+        except ConfigError as e:
+            ok = False
+            assert "mini" in str(e) or "micro" in str(e), str(e)
+        assert ok == expected, (train_batch, n, mini, micro, tp, dp, ok)
+        outcomes.append(ok)
+    assert 50 < sum(outcomes) < len(outcomes) - 50  # both verdicts well represented
+
+
+def test_batch_errors_name_key_and_fix():
+    assert error_of(f"{ACTOR}.ppo_mini_batch_size=2048") == (
+        f"{ACTOR}.ppo_mini_batch_size = 2048: larger than data.train_batch_size = 1024; use at most 1024")
+    assert error_of("data.train_batch_size=12", f"{ACTOR}.ppo_mini_batch_size=8").endswith(
+        "use a divisor of 12: 1, 2, 3, 4, 6, 12")
+    assert "does not split over DP = 8 ranks" in error_of("data.train_batch_size=12", f"{ACTOR}.ppo_mini_batch_size=6")
+    message = error_of(f"{ACTOR}.ppo_micro_batch_size_per_gpu=5")
+    assert message == (f"{ACTOR}.ppo_micro_batch_size_per_gpu = 5: does not divide the 32 samples per DP rank of a "
+                       "mini-batch (256 prompts x n 1 / DP 8); use a divisor of 32: 1, 2, 4, 8, 16, 32")
+    assert error_of("critic.ppo_micro_batch_size_per_gpu=3").startswith("critic.ppo_micro_batch_size_per_gpu = 3")
+    assert error_of("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=5").startswith(
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = 5: does not divide the 128 samples")
+    message = error_of("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=3", f"{ACTOR}.use_kl_loss=true")
+    assert message.startswith("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu = 3")
+
+
+def test_dynamic_batch_size_needs_room_for_one_sequence():
+    load(f"{ACTOR}.use_dynamic_bsz=true", f"{ACTOR}.ppo_micro_batch_size_per_gpu=5")  # micro unused then
+    message = error_of(f"{ACTOR}.use_dynamic_bsz=true", f"{ACTOR}.ppo_max_token_len_per_gpu=1000")
+    assert message.startswith(f"{ACTOR}.ppo_max_token_len_per_gpu = 1000: a single sequence can have 1024 tokens")
+
+
+# ------------------------------------------------------------------------------------------------------ algorithm
+def test_gae_without_critic():
+    assert error_of("critic.enable=false") == (
+        "critic.enable = false: algorithm.adv_estimator = 'gae' needs a critic's values; set critic.enable=true "
+        "(or null), or use an estimator without values (grpo)")
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_grouped_estimator_needs_several_samples(estimator):
+    message = error_of(f"algorithm.adv_estimator={estimator}")
+    assert message.startswith("actor_rollout_ref.rollout.n = 1: algorithm.adv_estimator")
+    assert "set actor_rollout_ref.rollout.n >= 2" in message
+
+
+def test_kl_in_reward_and_kl_loss_together():
+    message = error_of("algorithm.use_kl_in_reward=true", f"{ACTOR}.use_kl_loss=true")
+    assert "both true" in message and "set one of them to false" in message
+
+
+def test_other_algorithm_errors():
+    assert "there is no critic to warm up" in error_of("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
+                                                       "trainer.critic_warmup=2")
+    assert "loss_mode 'dro' needs its penalty weight" in error_of(f"{ACTOR}.policy_loss.loss_mode=dro")
+    assert "Transformer Engine needs CUDA" in error_of("actor_rollout_ref.model.transformer_impl=te",
+                                                       "trainer.device=cpu")
+
+
+def test_suspicious_settings_warn():
+    with pytest.warns(ConfigWarning, match="the critic would train for nothing"):
+        load("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "critic.enable=true")
+    with pytest.warns(ConfigWarning, match="identical greedy responses"):
+        load("actor_rollout_ref.rollout.val_kwargs.n=4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load()  # the defaults are quiet
+
+
+def test_validate_accepts_a_hand_built_config():
+    cfg = MppoConfig()
+    validate(cfg)
+    cfg.critic.enable = False
+    with pytest.raises(ConfigError, match="needs a critic"):
+        validate(cfg)
+
+
+# --------------------------------------------------------------------------------------------- round trip, hashing
+def test_to_yaml_round_trips(tmp_path):
+    cfg = load("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", f"{ACTOR}.optim.lr=2e-6",
+               "data.train_files=[a.parquet,b.parquet]", "trainer.experiment_name=x")
+    path = write(tmp_path, to_yaml(cfg))
+    assert load(path=path) == cfg
+    assert list(yaml.safe_load(to_yaml(cfg))) == ["data", "actor_rollout_ref", "critic", "algorithm", "reward",
+                                                   "trainer"]
+
+
+def test_config_hash_is_stable_and_sensitive():
+    a = load("trainer.seed=3", f"{ACTOR}.optim.lr=2e-6")
+    b = load(f"{ACTOR}.optim.lr=2e-6", "trainer.seed=3")
+    assert config_hash(a) == config_hash(b) and re.fullmatch(r"[0-9a-f]{64}", config_hash(a))
+    for key in ("trainer.seed=4", f"{ACTOR}.optim.lr=2.0001e-6", "data.train_files=x.parquet"):
+        assert config_hash(load("trainer.seed=3", f"{ACTOR}.optim.lr=2e-6", key)) != config_hash(a), key
+
+
+def test_every_schema_key_is_settable_by_override():
+    cfg = load()
+    for key in schema_leaves():
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        text = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+        assert load(f"{key}={text}") == cfg, key
