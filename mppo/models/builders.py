@@ -1,0 +1,124 @@
+"""Build the actor, critic and reference models as megatron-core GPTModels, one per virtual-pipeline chunk.
+
+- actor: GPTModel with a vocab-parallel output layer (logits over the padded vocabulary).
+- critic: the same trunk; on the last stage the output layer is a replicated hidden->1 value head in fp32.
+- ref: an actor that is frozen (no grads, eval mode).
+
+Weights are random after building; load HF weights with `mppo.models.weights.load_hf_weights` or a dist
+checkpoint with `mppo.models.checkpoint.load_model_checkpoint`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from mppo.models.hf_config import HFModelArgs, gpt_model_kwargs, read_hf_config, transformer_config_kwargs
+from mppo.models.spec import TransformerImpl, gpt_layer_spec
+from mppo.models.vocab import padded_vocab_size
+from mppo.parallel import ParallelDims, ParallelLayoutError
+
+Role = Literal["actor", "critic", "ref"]
+ROLES = ("actor", "critic", "ref")
+
+
+class ValueHead(nn.Module):
+    """Replicated hidden -> 1 projection in fp32, zero-initialised, standing in for GPTModel.output_layer.
+
+    Its parameters are called `weight` and `bias` so that GPTModel/LanguageModule.sharded_state_dict finds them
+    under `output_layer.weight` / `output_layer.bias`. It takes the output layer's call signature and returns
+    (values [s, b, 1], None) like ColumnParallelLinear returns (logits, bias).
+    """
+
+    def __init__(self, hidden_size: int, device: torch.device | str | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.zeros(1, dtype=torch.float32, device=device))
+
+    def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        return nn.functional.linear(hidden_states.float(), self.weight, self.bias), None
+
+
+def build_transformer_config(args: HFModelArgs, dims: ParallelDims, *, dtype: torch.dtype = torch.float32,
+                             **overrides):
+    """megatron TransformerConfig for this architecture and layout. `overrides` go to TransformerConfig as is."""
+    from megatron.core.transformer import TransformerConfig
+
+    on_gpu = dims.device.type == "cuda"
+    if args.num_query_groups % dims.tp != 0:
+        raise ParallelLayoutError(
+            f"tp={dims.tp} does not divide the model's {args.num_query_groups} key/value heads; pick a tp that does")
+    chunks = dims.pp * dims.num_model_chunks
+    if args.num_layers % chunks != 0:
+        raise ParallelLayoutError(
+            f"{args.num_layers} layers cannot be split evenly over pp={dims.pp} x vpp={dims.num_model_chunks} "
+            f"chunks; pick pp/vpp whose product divides {args.num_layers}")
+    kwargs = transformer_config_kwargs(args)
+    kwargs.update(
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp,
+        sequence_parallel=False,  # megatron's local spec cannot build it; not supported here yet
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        # Micro-batches may differ in shape (token-budget batching): send shapes before activations. Not with
+        # the interleaved schedule: at pp=2 its shape exchange pairs the two directions' messages wrongly
+        # (one batch_isend_irecv to the same peer both ways), so there micro-batches must share one shape.
+        variable_seq_lengths=dims.vpp is None,
+        moe_token_dispatcher_type="alltoall",  # dense model; only satisfies a check tied to variable_seq_lengths
+        # gloo: batched isend/irecv in the interleaved schedule gave silently wrong activations.
+        batch_p2p_comm=dims.backend != "gloo",
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(hf: HFModelArgs | str | Path, dims: ParallelDims, *, role: Role = "actor",
+                    dtype: torch.dtype = torch.float32, transformer_impl: TransformerImpl = "auto",
+                    make_vocab_size_divisible_by: int = 128, **config_overrides) -> list[nn.Module]:
+    """One GPTModel per virtual-pipeline chunk of this rank (a list of one without vpp), on `dims.device`.
+
+    `hf` is an HF model directory, config.json path, or parsed HFModelArgs. The critic never ties its head to
+    the embedding (the head is a separate hidden->1 projection); actor and ref tie when the HF model does.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    args = hf if isinstance(hf, HFModelArgs) else read_hf_config(hf)
+    config = build_transformer_config(args, dims, dtype=dtype, **config_overrides)
+    spec = gpt_layer_spec(transformer_impl)
+    vocab = padded_vocab_size(args.vocab_size, dims.tp, make_vocab_size_divisible_by)
+    tie = args.tie_word_embeddings and role != "critic"
+
+    chunks: list[nn.Module] = []
+    for vp_stage in range(dims.num_model_chunks):
+        vp = vp_stage if dims.vpp else None
+        model = GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=vocab,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            parallel_output=True, share_embeddings_and_output_weights=tie, vp_stage=vp,
+            **gpt_model_kwargs(args))
+        if role == "critic" and model.post_process:
+            model.output_layer = ValueHead(args.hidden_size, device=dims.device)
+        model.to(dims.device)
+        if role == "ref":
+            model.requires_grad_(False)
+            model.eval()
+        chunks.append(model)
+    return chunks
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The GPTModel inside DDP/Float16Module-style wrappers (anything with a `.module`)."""
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module
+    return model

@@ -1,0 +1,74 @@
+"""Model checkpoints in megatron's dist_checkpointing format, loadable at any TP/PP layout.
+
+Layout of a model checkpoint directory:
+    <dir>/model/   dist_checkpointing files (sharded state of every model chunk)
+    <dir>/hf/      config.json (+ tokenizer files when known): enough to rebuild the model and export to HF
+
+Note: dist_checkpointing.save starts a `spawn` multiprocessing Manager, so a script that saves needs an
+`if __name__ == "__main__":` guard.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch.distributed as dist
+from torch import nn
+
+from mppo.models.atomic import atomic_directory
+from mppo.models.builders import unwrap_model
+from mppo.models.hf_config import HFModelArgs
+from mppo.models.weights import write_hf_metadata
+
+MODEL_SUBDIR = "model"
+HF_SUBDIR = "hf"
+
+
+def model_sharded_state_dict(model_chunks: Sequence[nn.Module]) -> dict:
+    """Megatron-LM's convention: {"model": ...} for one chunk, {"model0": ..., "model1": ...} for vpp.
+
+    Tensors are keyed by global layer inside, so a checkpoint written with or without vpp loads either way.
+    """
+    if len(model_chunks) == 1:
+        return {"model": unwrap_model(model_chunks[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap_model(chunk).sharded_state_dict() for i, chunk in enumerate(model_chunks)}
+
+
+def _is_writer() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def save_model_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str | Path, args: HFModelArgs, *,
+                          tokenizer_dir: str | Path | None = None, overwrite: bool = False) -> None:
+    """Write the model as a dist checkpoint plus its HF config (collective; atomic)."""
+    from megatron.core import dist_checkpointing
+
+    with atomic_directory(ckpt_dir, overwrite=overwrite) as tmp:
+        if _is_writer():
+            (tmp / MODEL_SUBDIR).mkdir()
+        if dist.is_initialized():
+            dist.barrier()
+        dist_checkpointing.save(model_sharded_state_dict(model_chunks), str(tmp / MODEL_SUBDIR))
+        if _is_writer():
+            write_hf_metadata(tmp / HF_SUBDIR, args, tokenizer_dir)
+
+
+def checkpoint_hf_dir(ckpt_dir: str | Path) -> Path:
+    """The directory with the checkpoint's config.json (pass it to read_hf_config / build_gpt_model)."""
+    path = Path(ckpt_dir) / HF_SUBDIR
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{ckpt_dir} is not an mppo model checkpoint: {path}/config.json is missing")
+    return path
+
+
+def load_model_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str | Path) -> None:
+    """Load a dist checkpoint saved at any TP/PP layout into these (already built) chunks (collective)."""
+    from megatron.core import dist_checkpointing
+
+    model_dir = Path(ckpt_dir) / MODEL_SUBDIR
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{ckpt_dir} is not an mppo model checkpoint: {model_dir} is missing")
+    state = dist_checkpointing.load(model_sharded_state_dict(model_chunks), str(model_dir))
+    keys = ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
+    for chunk, key in zip(model_chunks, keys):
+        unwrap_model(chunk).load_state_dict(state[key], strict=True)

@@ -1,0 +1,168 @@
+"""HF config.json -> the architecture facts megatron needs (TransformerConfig kwargs + GPTModel kwargs).
+
+Supported: Qwen2 / Qwen2.5 (`qwen2`: QKV bias, RMSNorm, SwiGLU, GQA, rope base, tied or untied embeddings) and
+Llama 3 (`llama`: the same without QKV bias, optional `llama3` rope scaling). Both the transformers 4 layout
+(`rope_theta`, `rope_scaling`) and the transformers 5 layout (`rope_parameters`) of config.json are read.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+
+# megatron-core's RotaryEmbedding hard-codes these llama3 rope-scaling constants; only `factor` is a parameter.
+_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+class UnsupportedModelError(ValueError):
+    """The HF config describes a model (or a feature of one) that mppo cannot build."""
+
+
+@dataclass(frozen=True)
+class HFModelArgs:
+    """What mppo needs to know about an HF causal LM, independent of how it is sharded."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int  # key/value heads
+    head_dim: int
+    qkv_bias: bool
+    norm_eps: float
+    rope_theta: float
+    rope_scaling_factor: float | None  # llama3 rope scaling; None when absent
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    initializer_range: float
+    torch_dtype: str | None
+    raw: dict[str, Any]  # the config.json as read, written back unchanged by the HF exporter
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope base, scaling dict or None) from either config.json layout."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = params if params.get("rope_type", "default") != "default" else None
+        return float(theta), scaling
+    scaling = cfg.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return float(cfg.get("rope_theta", 10000.0)), scaling
+
+
+def _scaling_factor(model_type: str, scaling: dict[str, Any] | None) -> float | None:
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if model_type != "llama" or kind != "llama3":
+        raise UnsupportedModelError(
+            f"rope scaling {kind!r} is not supported for model_type {model_type!r}; mppo supports the 'llama3' "
+            f"rope scaling of Llama 3 models only")
+    for key, expected in _MEGATRON_LLAMA3_ROPE.items():
+        if key in scaling and float(scaling[key]) != expected:
+            raise UnsupportedModelError(
+                f"llama3 rope scaling with {key}={scaling[key]} is not supported: megatron-core's rotary "
+                f"embedding fixes {key}={expected} (only 'factor' is configurable)")
+    return float(scaling["factor"])
+
+
+def read_hf_config(source: str | Path | dict[str, Any]) -> HFModelArgs:
+    """Read an HF model directory, a config.json path, or an already-loaded config dict."""
+    if isinstance(source, dict):
+        cfg = source
+    else:
+        path = Path(source)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"no HF config.json at {path}")
+        cfg = json.loads(path.read_text())
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act {cfg['hidden_act']!r} is not supported (SwiGLU with silu only)")
+    if model_type == "qwen2" and cfg.get("use_sliding_window"):
+        raise UnsupportedModelError("Qwen2 with use_sliding_window=true is not supported; set it to false")
+    if model_type == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        raise UnsupportedModelError("Llama with attention_bias or mlp_bias is not supported")
+    heads = int(cfg["num_attention_heads"])
+    groups = int(cfg.get("num_key_value_heads") or heads)
+    if heads % groups != 0:
+        raise UnsupportedModelError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}")
+    theta, scaling = _rope(cfg)
+    return HFModelArgs(
+        model_type=model_type,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+        qkv_bias=model_type == "qwen2",
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling_factor=_scaling_factor(model_type, scaling),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        initializer_range=float(cfg.get("initializer_range", 0.02)),
+        torch_dtype=cfg.get("torch_dtype", cfg.get("dtype")),
+        raw=cfg,
+    )
+
+
+def transformer_config_kwargs(args: HFModelArgs) -> dict[str, Any]:
+    """The architecture part of megatron's TransformerConfig (parallel/precision kwargs are the builder's)."""
+    return dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=args.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=args.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=args.initializer_range,
+        attention_softmax_in_fp32=True,
+        apply_query_key_layer_scaling=False,
+    )
+
+
+def gpt_model_kwargs(args: HFModelArgs) -> dict[str, Any]:
+    """The architecture part of megatron's GPTModel kwargs (vocab size, stages and tying are the builder's)."""
+    return dict(
+        max_sequence_length=args.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=args.rope_theta,
+        rope_scaling=args.rope_scaling_factor is not None,
+        rope_scaling_factor=args.rope_scaling_factor if args.rope_scaling_factor is not None else 8.0,
+    )
+
+
+def hf_dtype(args: HFModelArgs) -> torch.dtype | None:
+    """The dtype config.json declares for the weights, if any."""
+    return getattr(torch, args.torch_dtype) if isinstance(args.torch_dtype, str) else None

@@ -1,0 +1,164 @@
+"""Process groups: torch.distributed from the torchrun environment, then megatron's parallel_state.
+
+Every rank runs the same program (SPMD). The layout is TP x PP x DP with DP = world / (TP x PP), in megatron's
+default rank order (TP fastest, then DP, then PP). Without a torchrun environment the process runs alone as a
+world of one, which is what `mppo convert` and small scripts use.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mppo.parallel import cpu_compat
+
+log = logging.getLogger(__name__)
+
+
+class ParallelLayoutError(ValueError):
+    """The requested TP/PP/VPP layout does not fit the world size or the model."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The parallel layout and this rank's place in it."""
+
+    tp: int
+    pp: int
+    vpp: int | None  # virtual pipeline chunks per PP rank; None means no interleaving
+    dp: int
+    world: int
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    backend: str  # "nccl" or "gloo"
+    device: torch.device  # where this rank's tensors live
+
+    @property
+    def num_model_chunks(self) -> int:
+        return self.vpp or 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world} on {socket.gethostname()} ({self.backend}, {self.device}): "
+                f"tp {self.tp_rank}/{self.tp} pp {self.pp_rank}/{self.pp} dp {self.dp_rank}/{self.dp}"
+                + (f" vpp {self.vpp}" if self.vpp else ""))
+
+
+_dims: ParallelDims | None = None
+
+
+def check_layout(world: int, tp: int, pp: int, vpp: int | None = None) -> int:
+    """Validate a layout against a world size and return DP; raises ParallelLayoutError with the fix."""
+    if tp < 1 or pp < 1:
+        raise ParallelLayoutError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
+    if world % (tp * pp) != 0:
+        raise ParallelLayoutError(
+            f"world size {world} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; launch a multiple of "
+            f"{tp * pp} processes (torchrun --nproc_per_node ...) or change tp/pp")
+    if vpp is not None and vpp > 1 and pp < 2:
+        raise ParallelLayoutError(f"virtual pipeline (vpp={vpp}) needs pp >= 2, got pp={pp}; drop vpp or raise pp")
+    return world // (tp * pp)
+
+
+def _env_world() -> tuple[int, int, int]:
+    """(rank, world, local_rank) from torchrun's environment, or a world of one without it."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    return 0, 1, 0
+
+
+def init_distributed(tp: int = 1, pp: int = 1, vpp: int | None = None, *, timeout_s: float = 1800.0,
+                     seed: int | None = 1234) -> ParallelDims:
+    """Start torch.distributed (once per process) and build megatron's TP/PP/DP groups.
+
+    nccl with CUDA, gloo (plus the megatron CPU compatibility layer) without it. Calling it again after
+    `destroy()` builds a new layout on the same process group. `seed` seeds Python, torch and megatron's
+    model-parallel RNG tracker (`seed_everything`), which building a model needs on GPU and attention needs
+    on every forward; pass None only to seed later yourself.
+    """
+    global _dims
+    vpp = None if vpp in (None, 1) else vpp
+    rank, world, local_rank = _env_world()
+    if dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+    dp = check_layout(world, tp, pp, vpp)  # before any group is made (and before megatron's slow import)
+
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("megatron parallel state is already initialised; call mppo.parallel.destroy() first")
+
+    if torch.cuda.is_available():
+        backend, device = "nccl", torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        backend, device = "gloo", torch.device("cpu")
+        cpu_compat.install()
+
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s)
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+        else:  # a lone process: an in-memory store is all a world of one needs
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        distributed_timeout_minutes=max(1, int(timeout_s // 60)))
+    _dims = ParallelDims(
+        tp=tp, pp=pp, vpp=vpp, dp=dp, world=world, rank=rank,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(), backend=backend, device=device)
+    log.info("parallel layout: %s", _dims.describe())
+    if seed is not None:
+        seed_everything(seed)
+    return _dims
+
+
+def get_dims() -> ParallelDims:
+    """The layout set by the last `init_distributed`."""
+    if _dims is None:
+        raise RuntimeError("mppo.parallel.init_distributed() has not been called")
+    return _dims
+
+
+def seed_everything(seed: int) -> None:
+    """Seed like Megatron-LM: a different stream per PP stage; TP ranks share the default stream and get
+    their own model-parallel stream from megatron's RNG tracker (model_parallel_cuda_manual_seed)."""
+    from megatron.core import tensor_parallel
+
+    stage_seed = seed + 100 * get_dims().pp_rank
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)  # on CPU this generator is also the one the RNG tracker forks from
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+
+
+def destroy(*, process_group: bool = False) -> None:
+    """Tear down megatron's groups (tests switch layouts this way); with process_group also torch.distributed."""
+    global _dims
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    _dims = None
+    if process_group and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,414 @@
+"""torchrun script (4 CPU ranks, gloo): megatron actor/critic vs HF transformers at several TP/PP layouts.
+
+One launch runs every case and writes out/rank{R}.json: {case name: number or string}. The pytest side
+(tests/test_models_parallel.py) asserts on them. References are independent of the code under test: HF
+transformers' forward, naive log-softmax/entropy, the original safetensors files.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models_fixtures import MODELS, load_hf_model, make_hf_model, save_tiny_tokenizer  # noqa: E402
+
+LAYOUTS = [(2, 2, None), (2, 1, None), (1, 2, None), (1, 1, None), (1, 2, 2)]  # (tp, pp, vpp)
+MICRO_BATCH_SHAPES = [(2, 12), (3, 7), (1, 16), (2, 9)]  # (b, s): uneven on purpose
+TEMPERATURE = 0.7
+
+
+def micro_batches(vocab: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for b, s in MICRO_BATCH_SHAPES:
+        ids = torch.randint(0, vocab, (b, s), generator=g)
+        lengths = torch.randint(s // 2, s + 1, (b,), generator=g)
+        ids[torch.arange(s)[None, :] >= lengths[:, None]] = 0  # right padding (pad id 0)
+        out.append({"input_ids": ids})
+    return out
+
+
+def hf_reference(hf, batches, head: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[dict]:
+    """Logits, next-token log-probs/entropy at TEMPERATURE, and (with a head) critic values, from HF."""
+    refs = []
+    with torch.no_grad():
+        for mb in batches:
+            ids = mb["input_ids"]
+            out = hf(ids)
+            logits = out.logits.float()
+            logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)
+            next_lp = torch.zeros(ids.shape)
+            next_lp[:, :-1] = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+            ent = -(logp.exp() * logp).sum(-1)
+            ent[:, -1] = 0
+            ref = {"logits": logits, "log_probs": next_lp, "entropy": ent}
+            if head is not None:
+                hidden = hf.model(ids).last_hidden_state  # after the final norm
+                ref["values"] = (hidden @ head[0].t() + head[1]).squeeze(-1)
+            refs.append(ref)
+    return refs
+
+
+def max_diff(outs: list[dict], refs: list[dict], key: str) -> float:
+    assert len(outs) == len(refs), (len(outs), len(refs))
+    return max((o[key].float() - r[key].float()).abs().max().item() for o, r in zip(outs, refs))
+
+
+def logits_forward_step(vocab: int):
+    """A caller-supplied forward_step for run_pipeline: full (TP-gathered, unpadded) logits."""
+    from megatron.core import tensor_parallel
+
+    def step(model, batch):
+        ids = batch["input_ids"]
+        out = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
+        if not model.post_process:
+            return out, None
+
+        def loss_fn(logits):
+            full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)[..., :vocab]
+            return logits.sum() * 0.0, {"logits": full}
+
+        return out, loss_fn
+
+    return step
+
+
+def run_logits(chunks, batches, vocab: int) -> list[dict]:
+    """Logits per micro-batch through run_pipeline, padding for (and trimming after) interleaved schedules."""
+    from mppo.workers.pipeline import needs_uniform_shapes, pad_micro_batches, run_pipeline
+
+    if not needs_uniform_shapes(chunks):
+        return run_pipeline(chunks, batches, logits_forward_step(vocab))
+    outs = run_pipeline(chunks, pad_micro_batches(batches), logits_forward_step(vocab))
+    return [{"logits": o["logits"][:mb["input_ids"].shape[0], :mb["input_ids"].shape[1]]}
+            for mb, o in zip(batches, outs)]
+
+
+def value_head(hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(1, hidden, generator=g) * 0.3, torch.randn(1, generator=g)
+
+
+def run_cases(work: Path, res: dict, rank: int) -> None:
+    from mppo.models.builders import build_gpt_model
+    from mppo.models.checkpoint import load_model_checkpoint, save_model_checkpoint
+    from mppo.models.hf_config import read_hf_config
+    from mppo.models.weights import bucketed, iter_hf_weights, load_hf_weights, save_hf_checkpoint
+    from mppo.parallel import ParallelLayoutError, destroy, init_distributed
+    from mppo.workers.pipeline import compute_token_logprobs, compute_values, run_pipeline
+    from safetensors.torch import load_file
+
+    if rank == 0:
+        for i, name in enumerate(MODELS):
+            make_hf_model(name, work / name, seed=i)
+        save_tiny_tokenizer(work / "qwen2_untied", MODELS["qwen2_untied"][1]["vocab_size"])
+    dist.barrier()
+    hf_models = {name: load_hf_model(work / name) for name in MODELS}
+    margs = {name: read_hf_config(work / name) for name in MODELS}
+    batches = {name: micro_batches(margs[name].vocab_size, seed=i) for i, name in enumerate(MODELS)}
+    heads = {name: value_head(margs[name].hidden_size) for name in MODELS}
+    refs = {name: hf_reference(hf_models[name], batches[name], heads[name]) for name in MODELS}
+    originals = {name: load_file(str(work / name / "model.safetensors")) for name in MODELS}
+
+    # The llama3 rope scaling must matter for these inputs, or the llama cases would not test it.
+    llama = hf_models["llama_tied"]
+    unscaled = make_unscaled_llama(llama)
+    with torch.no_grad():
+        ids = batches["llama_tied"][2]["input_ids"]
+        res["rope_scaling_effect"] = (unscaled(ids).logits - llama(ids).logits).abs().max().item()
+
+    # A layout that does not divide the world stops before any group is made.
+    try:
+        init_distributed(3, 1)
+        res["bad_layout_error"] = "no error"
+    except ParallelLayoutError as err:
+        res["bad_layout_error"] = str(err)
+
+    tp1_logits: dict[str, list] = {}
+    for tp, pp, vpp in LAYOUTS:
+        layout = f"tp{tp}pp{pp}" + (f"vpp{vpp}" if vpp else "")
+        dims = init_distributed(tp, pp, vpp, seed=1234)
+        res[f"{layout}/dims"] = [dims.tp_rank, dims.pp_rank, dims.dp_rank, dims.dp]
+        for name in MODELS:
+            args = margs[name]
+            key = f"{layout}/{name}"
+            try:
+                chunks = build_gpt_model(args, dims, role="actor")
+            except ParallelLayoutError as err:  # e.g. 2 layers over pp2 x vpp2
+                res[f"{key}/layout_error"] = str(err)
+                continue
+            res[f"{layout}/batch_p2p_comm"] = chunks[0].config.batch_p2p_comm
+            load_hf_weights(chunks, work / name, args)
+            outs = run_logits(chunks, batches[name], args.vocab_size)
+            res[f"{key}/logits"] = max_diff(outs, refs[name], "logits")
+            if (tp, pp, vpp) == (1, 1, None):
+                tp1_logits[name] = outs
+            lp = compute_token_logprobs(chunks, batches[name], vocab_size=args.vocab_size, temperature=TEMPERATURE)
+            res[f"{key}/log_probs"] = max_diff(lp, refs[name], "log_probs")
+            res[f"{key}/entropy"] = max_diff(lp, refs[name], "entropy")
+
+            if (tp, pp, vpp) == (2, 2, None):  # HF -> Megatron (TP2 x PP2) -> HF, bitwise
+                exported = dict(iter_hf_weights(chunks, args))
+                res[f"{key}/export_names_equal"] = sorted(exported) == sorted(originals[name])
+                res[f"{key}/export_bitwise"] = all(
+                    torch.equal(exported[k], originals[name][k]) and exported[k].dtype == originals[name][k].dtype
+                    for k in originals[name] if k in exported)
+                buckets = list(bucketed(iter_hf_weights(chunks, args), bucket_bytes=40_000))
+                res[f"{key}/bucket_max_bytes"] = max(
+                    sum(t.numel() * t.element_size() for _, t in b) for b in buckets if len(b) > 1)
+                res[f"{key}/bucket_order_same"] = [n for b in buckets for n, _ in b] == list(exported)
+                save_hf_checkpoint(iter_hf_weights(chunks, args), work / f"roundtrip_{name}", args,
+                                   tokenizer_dir=work / name, max_shard_bytes=100_000)
+                if rank == 0:
+                    res[f"{key}/roundtrip_files_bitwise"] = compare_hf_dirs(work / name, work / f"roundtrip_{name}")
+
+            if vpp and name == "qwen2_tied":
+                try:
+                    run_pipeline(chunks, batches[name], logits_forward_step(args.vocab_size))
+                    res[f"{key}/uneven_shapes_error"] = "no error"
+                except ValueError as err:
+                    res[f"{key}/uneven_shapes_error"] = str(err)
+            if name == "qwen2_tied" and (tp, pp, vpp) in ((2, 2, None), (1, 2, 2)):
+                res[f"{key}/final_norm_grad"] = final_norm_grad_diff(chunks, batches[name], args, hf_models[name])
+
+            if name in ("qwen2_untied", "qwen2_tied", "llama_tied") and vpp is None:
+                critic = build_gpt_model(args, dims, role="critic")
+                load_hf_weights(critic, work / name, args)
+                head = critic[-1].output_layer if critic[-1].post_process else None
+                if head is not None:
+                    res[f"{key}/critic_head_zero_init"] = bool(head.weight.abs().sum() == 0
+                                                               and head.bias.abs().sum() == 0)
+                    res[f"{key}/critic_head_dtype"] = str(head.weight.dtype)
+                    with torch.no_grad():
+                        head.weight.copy_(heads[name][0])
+                        head.bias.copy_(heads[name][1])
+                vals = compute_values(critic, batches[name])
+                res[f"{key}/values"] = max_diff(vals, refs[name], "values")
+                if (tp, pp) == (2, 2) and name == "qwen2_untied":  # critic -> HF (score.*) -> critic
+                    res[f"{key}/critic_roundtrip"] = critic_roundtrip(critic, args, dims, batches[name], vals, work,
+                                                                      heads[name])
+                    save_model_checkpoint(critic, work / "critic_ckpt", args)
+                if (tp, pp) == (1, 1) and name == "qwen2_untied":  # the TP2 x PP2 critic checkpoint at TP1
+                    again = build_gpt_model(args, dims, role="critic")
+                    load_model_checkpoint(again, work / "critic_ckpt")
+                    res[f"{key}/critic_ckpt_values"] = max_diff(compute_values(again, batches[name]), refs[name],
+                                                                "values")
+        destroy()
+
+    convert_cases(work, res, rank, hf_models, batches, refs, tp1_logits)
+    cpu_compat_cases(res, margs["qwen2_untied"], work / "qwen2_untied")
+
+
+def critic_roundtrip(critic, args, dims, batches, vals, work, head) -> str:
+    """Export a critic (HF token-classification names: model.* + score.weight/bias) and load it back."""
+    from mppo.models.builders import build_gpt_model
+    from mppo.models.weights import iter_hf_weights, load_hf_weights, save_hf_checkpoint
+    from mppo.workers.pipeline import compute_values
+
+    exported = dict(iter_hf_weights(critic, args))
+    if "lm_head.weight" in exported or not torch.equal(exported["score.weight"], head[0]) \
+            or not torch.equal(exported["score.bias"], head[1]):
+        return f"unexpected critic export: {sorted(k for k in exported if not k.startswith('model.'))}"
+    save_hf_checkpoint(iter_hf_weights(critic, args), work / "critic_hf", args)
+    again = build_gpt_model(args, dims, role="critic")
+    load_hf_weights(again, work / "critic_hf", args)
+    vals2 = compute_values(again, batches)
+    same = all(torch.equal(a["values"], b["values"]) for a, b in zip(vals, vals2))
+    return "ok" if same else "values differ after reloading the exported critic"
+
+
+def final_norm_grad_diff(chunks, batches, args, hf) -> float:
+    """Forward-backward through the schedule vs HF autograd: grads of the final and first norm weights for
+    loss = sum(log_probs) + 0.1 * sum(entropy) over non-last columns (tests the loss scaling and the
+    differentiable vocab-parallel log-prob/entropy)."""
+    from mppo.workers.pipeline import logprob_forward_step, needs_uniform_shapes, pad_micro_batches, run_pipeline
+
+    if needs_uniform_shapes(chunks):
+        batches = pad_micro_batches(batches)
+    base = logprob_forward_step(vocab_size=args.vocab_size, temperature=TEMPERATURE)
+
+    def step(model, batch):
+        out, loss_fn = base(model, batch)
+        if loss_fn is None:
+            return out, None
+
+        def loss(hidden):
+            _, o = loss_fn(hidden)
+            return o["log_probs"].sum() + 0.1 * o["entropy"].sum(), o
+        return out, loss
+
+    # run_pipeline detaches outputs, so recompute the loss pieces through loss_fn (above) for autograd
+    for c in chunks:
+        c.zero_grad(set_to_none=True)
+    run_pipeline(chunks, batches, step, forward_only=False)
+    last = [c for c in chunks if c.post_process]
+    hf.zero_grad(set_to_none=True)
+    total = 0.0
+    for mb in batches:
+        ids = mb["input_ids"]
+        logp = torch.log_softmax(hf(ids).logits.float() / TEMPERATURE, dim=-1)
+        lp = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+        ent = -(logp.exp() * logp).sum(-1)[:, :-1]
+        total = total + lp.sum() + 0.1 * ent.sum()
+    total.backward()
+
+    def rel(got, ref):
+        return (got - ref).abs().max().item() / ref.abs().max().item()
+
+    diffs = [0.0]
+    if last:  # the final norm lives on the last stage
+        diffs.append(rel(last[0].decoder.final_layernorm.weight.grad, hf.model.norm.weight.grad))
+    first = [c for c in chunks if c.pre_process]
+    if first:  # layer 0's norm on the first stage: its gradient came back through the pipeline
+        diffs.append(rel(first[0].decoder.layers[0].input_layernorm.weight.grad,
+                          hf.model.layers[0].input_layernorm.weight.grad))
+    return max(diffs)
+
+
+def convert_cases(work, res, rank, hf_models, batches, refs, tp1_logits) -> None:
+    """`mppo convert` in-process: HF -> dist ckpt at TP2 x PP2 -> load at TP1 x PP1 -> HF."""
+    from mppo.models import convert
+    from mppo.models.builders import build_gpt_model
+    from mppo.models.checkpoint import checkpoint_hf_dir, load_model_checkpoint
+    from mppo.models.hf_config import read_hf_config
+    from mppo.parallel import destroy, init_distributed
+    from mppo.workers.pipeline import run_pipeline
+
+    for name in ("qwen2_untied", "llama_tied"):
+        ckpt, back = work / f"ckpt_{name}", work / f"back_{name}"
+        res[f"convert/{name}/hf_to_mcore_rc"] = convert.main(
+            ["hf-to-mcore", "--hf", str(work / name), "--out", str(ckpt), "--tp", "2", "--pp", "2"])
+        res[f"convert/{name}/exists_again_rc"] = convert.main(
+            ["hf-to-mcore", "--hf", str(work / name), "--out", str(ckpt), "--tp", "2", "--pp", "2"])
+        dims = init_distributed(1, 1)
+        args = read_hf_config(checkpoint_hf_dir(ckpt))
+        chunks = build_gpt_model(args, dims)
+        load_model_checkpoint(chunks, ckpt)
+        outs = run_logits(chunks, batches[name], args.vocab_size)
+        res[f"convert/{name}/tp1_logits_vs_hf"] = max_diff(outs, refs[name], "logits")
+        res[f"convert/{name}/tp1_logits_identical"] = all(
+            torch.equal(a["logits"], b["logits"]) for a, b in zip(outs, tp1_logits[name]))
+        destroy()
+        res[f"convert/{name}/mcore_to_hf_rc"] = convert.main(
+            ["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(back)])
+        if rank == 0:
+            res[f"convert/{name}/back_bitwise"] = compare_hf_dirs(work / name, back, expect_index=False)
+
+
+def cpu_compat_cases(res, args, hf_dir) -> None:
+    """Each CPU patch is still needed: without it the megatron call site it serves fails; with it, it works.
+
+    The probes are rank-local (no collectives), so a failure on one rank cannot hang the others.
+    """
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+    from megatron.core.parallel_state import get_pipeline_model_parallel_group
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from mppo.models.builders import build_gpt_model
+    from mppo.parallel import cpu_compat, destroy, init_distributed
+
+    dims = init_distributed(1, 1, seed=5)
+    model = build_gpt_model(args, dims)[0]
+    seq_len = iter(range(20, 200))  # RotaryEmbedding.forward is lru-cached per length: use a new one each time
+
+    def forward():
+        n = next(seq_len)
+        model(torch.zeros(1, n, dtype=torch.long), torch.arange(n)[None], None)
+
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    probes = {
+        "cuda_device_to_cpu": forward,
+        "cuda_current_device": forward,
+        "cuda_synchronize": lambda: P2PCommunicator(get_pipeline_model_parallel_group(), model.config)
+        ._communicate_shapes(None, None, False, False),
+        "cpu_rng_tracker": lambda: model_parallel_cuda_manual_seed(99),
+        "tensor_type_names": lambda: clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=0.5),
+    }
+    res["cpu_compat/patches"] = [p.name for p in cpu_compat.PATCHES]
+    res["cpu_compat/installed"] = cpu_compat.installed()
+    for name in res["cpu_compat/patches"]:
+        probe = probes.get(name)
+        if probe is None:
+            res[f"cpu_compat/{name}/without"] = "no probe for this patch"
+            continue
+        with cpu_compat.without(name):
+            try:
+                probe()
+                res[f"cpu_compat/{name}/without"] = "no error"
+            except Exception as err:  # noqa: BLE001 - any failure shows the patch is needed
+                res[f"cpu_compat/{name}/without"] = f"{type(err).__name__}: {err}"[:300]
+        try:
+            probe()
+            res[f"cpu_compat/{name}/with"] = "ok"
+        except Exception as err:  # noqa: BLE001
+            res[f"cpu_compat/{name}/with"] = f"{type(err).__name__}: {err}"[:300]
+    res["cpu_compat/installed_after"] = cpu_compat.installed()
+    destroy()
+
+
+def make_unscaled_llama(model):
+    from transformers import AutoModelForCausalLM
+
+    cfg = model.config.to_dict()
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": model.config.rope_parameters["rope_theta"]}
+    cfg.pop("rope_scaling", None)
+    clone = AutoModelForCausalLM.from_config(type(model.config).from_dict(cfg), attn_implementation="eager")
+    clone.load_state_dict(model.state_dict())
+    return clone.eval()
+
+
+def compare_hf_dirs(src: Path, dst: Path, expect_index: bool = True) -> str:
+    """'ok' when every tensor (name, dtype, bits) and config.json match; otherwise what differs."""
+    from safetensors.torch import load_file
+
+    a = load_file(str(src / "model.safetensors"))
+    b = {}
+    for f in sorted(dst.glob("*.safetensors")):
+        b.update(load_file(str(f)))
+    if sorted(a) != sorted(b):
+        return f"names differ: {sorted(set(a) ^ set(b))}"
+    bad = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+    if bad:
+        return f"tensors differ: {bad}"
+    if json.loads((src / "config.json").read_text()) != json.loads((dst / "config.json").read_text()):
+        return "config.json differs"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (src / name).is_file() and (not (dst / name).is_file()
+                                       or (src / name).read_bytes() != (dst / name).read_bytes()):
+            return f"{name} missing or different"
+    if expect_index and not (dst / "model.safetensors.index.json").is_file():
+        return "expected several shards and an index"
+    return "ok"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    opts = parser.parse_args()
+    work = opts.out / "work"
+    rank = int(os.environ["RANK"])
+    res: dict = {}
+    from mppo.parallel import init_distributed, destroy
+
+    init_distributed(1, 1)  # the process group; layouts are rebuilt per case
+    destroy()
+    try:
+        run_cases(work, res, rank)
+    except Exception:
+        res["crash"] = traceback.format_exc()
+        raise
+    finally:
+        (opts.out / f"rank{rank}.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Single-process checks of mppo.models: HF config reading, vocab padding, bucketing, layer-spec choice, padding
+micro-batches, layout validation. Expected values are written out by hand from the HF/megatron conventions."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mppo.models.hf_config import UnsupportedModelError, gpt_model_kwargs, read_hf_config, transformer_config_kwargs
+from mppo.models.vocab import mask_padded_logits, padded_vocab_size, valid_vocab_size_per_rank
+from mppo.models.weights import bucketed
+
+QWEN2 = {  # the shape of a transformers-4 Qwen2.5 config.json
+    "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 896, "intermediate_size": 4864,
+    "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True, "max_position_embeddings": 32768,
+    "hidden_act": "silu", "use_sliding_window": False, "torch_dtype": "bfloat16",
+}
+LLAMA3 = {  # transformers-5 layout (rope_parameters)
+    "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "max_position_embeddings": 131072, "hidden_act": "silu",
+    "attention_bias": False, "mlp_bias": False, "dtype": "bfloat16",
+    "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+}
+
+
+def test_qwen2_config_maps_to_megatron():
+    args = read_hf_config(QWEN2)
+    tc = transformer_config_kwargs(args)
+    assert (tc["num_layers"], tc["hidden_size"], tc["ffn_hidden_size"]) == (24, 896, 4864)
+    assert (tc["num_attention_heads"], tc["num_query_groups"], tc["kv_channels"]) == (14, 2, 64)
+    assert tc["normalization"] == "RMSNorm" and tc["layernorm_epsilon"] == 1e-6
+    assert tc["gated_linear_unit"] and tc["activation_func"] is torch.nn.functional.silu
+    assert tc["add_qkv_bias"] and not tc["add_bias_linear"]
+    gm = gpt_model_kwargs(args)
+    assert gm["rotary_base"] == 1e6 and gm["position_embedding_type"] == "rope" and not gm["rope_scaling"]
+    assert args.tie_word_embeddings and args.torch_dtype == "bfloat16" and args.heads_per_group == 7
+
+
+def test_llama3_config_with_rope_scaling():
+    args = read_hf_config(LLAMA3)
+    tc = transformer_config_kwargs(args)
+    assert not tc["add_qkv_bias"] and tc["kv_channels"] == 64 and tc["num_query_groups"] == 8
+    gm = gpt_model_kwargs(args)
+    assert gm["rotary_base"] == 500000.0 and gm["rope_scaling"] and gm["rope_scaling_factor"] == 32.0
+    assert args.torch_dtype == "bfloat16"
+    v4 = {k: v for k, v in LLAMA3.items() if k != "rope_parameters"}
+    v4.update(rope_theta=500000.0, rope_scaling={"type": "llama3", "factor": 8.0})
+    assert read_hf_config(v4).rope_scaling_factor == 8.0
+    plain = {**v4, "rope_scaling": None}
+    assert read_hf_config(plain).rope_scaling_factor is None
+    assert not gpt_model_kwargs(read_hf_config(plain))["rope_scaling"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "gpt2"}, "supported model types: qwen2, llama"),
+    ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"num_key_value_heads": 3}, "not a multiple"),
+])
+def test_unsupported_qwen2_variants(change, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        read_hf_config({**QWEN2, **change})
+
+
+@pytest.mark.parametrize("rope, message", [
+    ({"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 2.0}, "low_freq_factor"),
+    ({"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}, "'yarn' is not supported"),
+])
+def test_unsupported_rope_scaling(rope, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        read_hf_config({**LLAMA3, "rope_parameters": rope})
+
+
+def test_llama_with_biases_is_rejected():
+    with pytest.raises(UnsupportedModelError, match="attention_bias"):
+        read_hf_config({**LLAMA3, "attention_bias": True})
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        read_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize("vocab, tp, divisible, padded", [
+    (1003, 1, 128, 1024), (1003, 2, 128, 1024), (1003, 8, 128, 1024), (151936, 4, 128, 151936),
+    (1000, 3, 128, 1152), (128, 2, 128, 128), (129, 1, 64, 192),
+])
+def test_padded_vocab_size(vocab, tp, divisible, padded):
+    assert padded_vocab_size(vocab, tp, divisible) == padded
+    assert padded % tp == 0
+
+
+def test_valid_vocab_size_per_rank():
+    # 1003 real tokens in 1024 rows over 2 ranks: 512 + 491
+    assert [valid_vocab_size_per_rank(1003, 1024, r, 2) for r in range(2)] == [512, 491]
+    # 100 real tokens in 512 rows over 4 ranks: rank 0 holds them all
+    assert [valid_vocab_size_per_rank(100, 512, r, 4) for r in range(4)] == [100, 0, 0, 0]
+    assert [valid_vocab_size_per_rank(1000, 1024, r, 4) for r in range(4)] == [256, 256, 256, 232]
+
+
+def test_masked_padded_logits_equal_softmax_over_real_vocab():
+    logits = torch.randn(5, 16)
+    masked = mask_padded_logits(logits, 11)
+    assert torch.allclose(torch.log_softmax(masked, -1)[:, :11], torch.log_softmax(logits[:, :11], -1), atol=1e-6)
+    p = torch.softmax(masked, -1)
+    entropy = -(p * torch.log_softmax(masked, -1)).sum(-1)
+    ref = torch.distributions.Categorical(logits=logits[:, :11]).entropy()
+    assert torch.isfinite(entropy).all() and torch.allclose(entropy, ref, atol=1e-5)
+    assert mask_padded_logits(logits, 16) is logits  # nothing to mask
+
+
+def test_bucketed_respects_the_limit_and_order():
+    tensors = [(f"t{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([10, 20, 5, 100, 1, 1, 30])]
+    buckets = list(bucketed(iter(tensors), bucket_bytes=120))  # 30 floats
+    assert [[n for n, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"], ["t6"]]
+    assert [n for b in buckets for n, _ in b] == [n for n, _ in tensors]
+    for b in buckets:  # only a tensor larger than the limit may exceed it, alone
+        assert len(b) == 1 or sum(t.numel() * 4 for _, t in b) <= 120
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        list(bucketed(iter(tensors), 0))
+
+
+def test_transformer_engine_requested_without_it():
+    from mppo.models.spec import MissingGpuPackageError, resolve_transformer_impl
+
+    with pytest.raises(MissingGpuPackageError, match=r"pip install mppo\[gpu\]"):
+        resolve_transformer_impl("te")
+    assert resolve_transformer_impl("auto") == "local"
+    assert resolve_transformer_impl("local") == "local"
+    with pytest.raises(ValueError, match="'auto', 'te' or 'local'"):
+        resolve_transformer_impl("apex")
+
+
+def test_pad_micro_batches():
+    from mppo.workers.pipeline import pad_micro_batches
+
+    mbs = [{"input_ids": torch.ones(2, 3, dtype=torch.long), "mask": torch.ones(2, 3), "adv": torch.ones(2, 5),
+            "reward": torch.ones(2)},
+           {"input_ids": torch.ones(1, 4, dtype=torch.long), "mask": torch.ones(1, 4), "adv": torch.ones(1, 5),
+            "reward": torch.ones(1)}]
+    out = pad_micro_batches(mbs)
+    assert [tuple(o["input_ids"].shape) for o in out] == [(2, 4), (2, 4)]
+    assert [tuple(o["adv"].shape) for o in out] == [(2, 5), (2, 5)]  # rows only: dim 1 is not the sequence
+    assert [tuple(o["reward"].shape) for o in out] == [(2,), (2,)]
+    assert out[0]["mask"].sum() == 6 and out[1]["mask"].sum() == 4 and out[0]["mask"][:, 3].sum() == 0
+
+
+def test_check_layout():
+    from mppo.parallel import ParallelLayoutError, check_layout
+
+    assert check_layout(8, 2, 2) == 2 and check_layout(4, 1, 2, 2) == 2
+    with pytest.raises(ParallelLayoutError, match="not divisible by tp\\*pp = 3\\*1"):
+        check_layout(4, 3, 1)
+    with pytest.raises(ParallelLayoutError, match="needs pp >= 2"):
+        check_layout(4, 2, 1, 2)
