@@ -1,0 +1,193 @@
+"""The CPU rollout engine: the HF architecture from a config, weights only from update_weights, batched generation.
+
+For tests and the CPU demo. It takes the same (hf_name, tensor) stream as the SGLang engine, samples with the same
+per-sample seeding, and returns log-probs with the same semantics (see mppo.rollout.base). Generation is packed
+and batch-invariant (see mppo.rollout.cpu_model): with single-threaded torch a sample's tokens AND log-probs are
+bitwise the same whatever else is in the batch.
+
+Stopping: a sample ends at any of `stop_token_ids` or the config's `eos_token_id` (SGLang also stops at the
+model config's eos ids), or after `max_new_tokens` ("length"). The KV cache lives only inside a generate() call,
+so release() frees the weights (their storage is dropped) and there is no cross-call prefix cache to flush.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from mppo.rollout.base import NamedTensor, RolloutEngine, RolloutResponse, SamplingParams
+from mppo.rollout.cpu_model import PackedCausalLM, SequenceKV, check_supported
+from mppo.rollout.sampling import choose_tokens
+from mppo.rollout.seeding import sample_seed
+
+
+@dataclasses.dataclass
+class _Sample:
+    prompt_index: int  # local position in the prompt list
+    sample_index: int
+    cache: SequenceKV
+    generator: torch.Generator
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    log_probs: list[float] = dataclasses.field(default_factory=list)
+    finish_reason: str = ""
+
+
+class CPURolloutEngine(RolloutEngine):
+    """Rollout on CPU in float32. Build it from an HF config (e.g. `transformers.AutoConfig.from_pretrained(dir)`)."""
+
+    def __init__(self, hf_config: PretrainedConfig) -> None:
+        super().__init__()
+        check_supported(hf_config)
+        self._config = hf_config
+        self._model = _build_unloaded_model(hf_config)
+        self._runner = PackedCausalLM(self._model)
+        # Every accepted name -> its parameter; tied names (lm_head.weight with tied embeddings) share one.
+        self._params_by_name = dict(self._model.named_parameters(remove_duplicate=False))
+        self._canonical_names = [name for name, _ in self._model.named_parameters()]
+        self._param_shapes = {name: param.shape for name, param in self._model.named_parameters()}
+        eos = hf_config.eos_token_id
+        self._config_eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The engine's current weights by HF name (tied names included), detached; empty tensors when released."""
+        return {name: param.detach() for name, param in self._params_by_name.items()}
+
+    # ---- weights ----------------------------------------------------------------------------------------------
+    def _load_weights(self, buckets: Iterator[list[NamedTensor]]) -> None:
+        received: dict[int, str] = {}  # id(parameter) -> name it was loaded from in this update
+        with torch.no_grad():
+            for bucket in buckets:
+                for name, tensor in bucket:
+                    param = self._lookup(name, tensor)
+                    first = received.get(id(param))
+                    if first is None:
+                        param.copy_(tensor)
+                        received[id(param)] = name
+                    elif first == name:
+                        raise ValueError(f"update_weights: weight {name!r} was sent twice in one update")
+                    elif not torch.equal(param, tensor.to(param.dtype)):
+                        raise ValueError(
+                            f"update_weights: {name!r} is tied to {first!r} in this model but the stream gave them "
+                            "different values"
+                        )
+        missing = [n for n in self._canonical_names if id(self._params_by_name[n]) not in received]
+        if missing:
+            raise KeyError(
+                f"update_weights: the stream lacked {len(missing)} of the model's weights, e.g. {missing[:5]}; "
+                "every update must carry the full model"
+            )
+
+    def _lookup(self, name: str, tensor: torch.Tensor) -> torch.nn.Parameter:
+        param = self._params_by_name.get(name)
+        if param is None:
+            raise KeyError(
+                f"update_weights: unknown weight {name!r} for this {self._config.model_type} model "
+                f"(its HF names look like {self._canonical_names[:3]}...)"
+            )
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(
+                f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}"
+            )
+        if not tensor.is_floating_point():
+            raise TypeError(f"update_weights: {name!r} has dtype {tensor.dtype}; weights must be floating point")
+        return param
+
+    # ---- memory -----------------------------------------------------------------------------------------------
+    def _release_memory(self) -> None:
+        for _, param in self._model.named_parameters():  # unique parameters: tied ones stay tied
+            param.data = torch.empty(0, dtype=param.dtype)
+
+    def _resume_weight_memory(self) -> None:
+        for name, param in self._model.named_parameters():
+            param.data = torch.empty(self._param_shapes[name], dtype=param.dtype)
+
+    def _resume_kv_cache(self) -> None:
+        pass  # the KV cache is allocated per generate() call
+
+    def _flush_cache(self) -> None:
+        pass  # no prefix cache survives a generate() call
+
+    # ---- generation -------------------------------------------------------------------------------------------
+    def _generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingParams, step: int, prompt_indices: list[int]
+    ) -> list[RolloutResponse]:
+        limit = self._config.max_position_embeddings
+        longest = max(len(p) for p in prompt_token_ids)
+        if longest + sampling.max_new_tokens > limit:
+            raise ValueError(
+                f"prompt ({longest} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the model's "
+                f"max_position_embeddings ({limit})"
+            )
+        vocab = self._config.vocab_size
+        if any(t >= vocab for p in prompt_token_ids for t in p):
+            raise ValueError(f"a prompt contains a token id >= the vocabulary size {vocab}")
+        stop_ids = frozenset(sampling.stop_token_ids) | self._config_eos
+
+        caches = [self._runner.new_sequence(len(p) + sampling.max_new_tokens) for p in prompt_token_ids]
+        prompt_logits = self._runner.forward(prompt_token_ids, caches)  # the prompt is prefilled once for n samples
+        samples = [
+            _Sample(
+                prompt_index=p,
+                sample_index=s,
+                cache=caches[p].clone(),
+                generator=torch.Generator().manual_seed(sample_seed(sampling.seed, step, prompt_indices[p], s)),
+            )
+            for p in range(len(prompt_token_ids))
+            for s in range(sampling.n)
+        ]
+        del caches
+        active = samples
+        logits = prompt_logits[[s.prompt_index for s in samples]]
+        while active:
+            tokens, log_probs = choose_tokens(logits, sampling, [s.generator for s in active])
+            still_running = []
+            for sample, token, log_prob in zip(active, tokens.tolist(), log_probs.tolist()):
+                sample.tokens.append(token)
+                sample.log_probs.append(log_prob)
+                if token in stop_ids:
+                    sample.finish_reason = "stop"
+                elif len(sample.tokens) == sampling.max_new_tokens:
+                    sample.finish_reason = "length"
+                else:
+                    still_running.append(sample)
+            active = still_running
+            if active:
+                logits = self._runner.forward([[s.tokens[-1]] for s in active], [s.cache for s in active])
+        return [
+            RolloutResponse(
+                prompt_index=prompt_indices[s.prompt_index],
+                sample_index=s.sample_index,
+                token_ids=s.tokens,
+                log_probs=s.log_probs,
+                finish_reason=s.finish_reason,  # type: ignore[arg-type]
+            )
+            for s in samples
+        ]
+
+
+def _build_unloaded_model(hf_config: PretrainedConfig) -> torch.nn.Module:
+    """The HF model in float32 with allocated but uninitialised weights (no random init, no global RNG use).
+
+    Built on the meta device, then each parameter gets real storage; parameters shared by several modules
+    (tied embeddings) get ONE new parameter so they stay tied. The rotary embedding, the only buffer owner in the
+    supported architectures, is rebuilt from the config so its inv_freq holds real values.
+    """
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    materialised: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in materialised:
+                storage = torch.empty(param.shape, dtype=torch.float32)
+                materialised[id(param)] = torch.nn.Parameter(storage, requires_grad=False)
+            module._parameters[name] = materialised[id(param)]
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(config=hf_config)
+    stray = [n for n, b in model.named_buffers() if b.is_meta]
+    if stray:
+        raise ValueError(f"unsupported architecture: buffers {stray} would be left without values")
+    return model.eval()

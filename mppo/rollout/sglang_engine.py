@@ -1,0 +1,220 @@
+"""The production rollout engine: one sglang.Engine per rollout-TP group, co-located on the training GPUs.
+
+Every rank of a rollout-TP group constructs a SGLangRolloutEngine with the same `tp_group` (a gloo group of those
+ranks, on consecutive local GPUs starting at `base_gpu_id`) and calls every method collectively. The group's first
+rank (the driver) owns the sglang.Engine (tp_size = group size); the others take part in weight pushes and receive
+the driver's results.
+
+Weight sync, per update (SGLang >= 0.5.23 requires the begin/end session):
+  driver: begin_weight_update()
+  per bucket: every rank flattens ITS copy of the bucket (on its own GPU) into a fresh buffer and serializes it
+    (CUDA IPC handles) -> gather to the driver -> update_weights_from_tensor([payload of TP rank 0, 1, ...],
+    load_format="flattened_bucket", flush_cache=False) -> the driver broadcasts the status, and only then does
+    any rank drop its buffer. Buffers are never reused or written after serialization; torch's CUDA IPC keeps a
+    shared block allocated until the consumer has released it (it syncs its stream first), and
+    torch.cuda.ipc_collect() at the end returns those blocks.
+  driver: end_weight_update(), flush_cache() (the radix cache holds KV of the old weights).
+Memory dance (mppo.rollout.base): update_weights() first resumes released weight memory, resume() the KV cache
+(after the trainer offloaded its state), release() frees weights, KV cache and CUDA graphs.
+
+Stopping: SGLang also stops at the model config's eos ids, as the CPU engine does; pass the tokenizer's eos as
+stop_token_ids. sampling_seed is honoured only with enable_deterministic_inference, which the engine always sets
+(it also selects SGLang's batch-invariant kernels, so DP layouts give the same samples).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+from mppo.rollout.base import NamedTensor, RolloutEngine, RolloutResponse, SamplingParams
+from mppo.rollout.sglang_protocol import (
+    RELEASE_TAGS,
+    RESUME_KV_TAGS,
+    RESUME_WEIGHT_TAGS,
+    SGLangAPI,
+    SGLangError,
+    build_generate_request,
+    bucket_payload,
+    check_success,
+    engine_server_args,
+    load_sglang_api,
+    parse_generate_output,
+)
+
+T = TypeVar("T")
+
+
+class RolloutGroup:
+    """The ranks of one rollout-TP group; the first drives the engine. `group=None` is a group of one."""
+
+    def __init__(self, group: Any | None) -> None:
+        self._group = group
+        if group is None:
+            self.size, self.driver_rank, self.is_driver = 1, 0, True
+            return
+        import torch.distributed as dist
+
+        ranks = dist.get_process_group_ranks(group)
+        self.size, self.driver_rank = len(ranks), ranks[0]
+        self.is_driver = dist.get_rank() == self.driver_rank
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj` on the driver (in group rank order), None elsewhere."""
+        if self._group is None:
+            return [obj]
+        import torch.distributed as dist
+
+        gathered = [None] * self.size if self.is_driver else None
+        dist.gather_object(obj, gathered, dst=self.driver_rank, group=self._group)
+        return gathered
+
+    def broadcast(self, obj: Any) -> Any:
+        """The driver's `obj` on every rank."""
+        if self._group is None:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.driver_rank, group=self._group)
+        return box[0]
+
+
+class SGLangRolloutEngine(RolloutEngine):
+    """Rollout through SGLang (GPU). See the module docstring for the collective calling contract."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        gpu_memory_utilization: float,
+        tp_group: Any | None = None,
+        dtype: str = "bfloat16",
+        base_gpu_id: int = 0,
+        seed: int = 0,
+        server_args: dict[str, Any] | None = None,
+        api: SGLangAPI | None = None,
+    ) -> None:
+        super().__init__()
+        self._api = api if api is not None else load_sglang_api()
+        self._group = RolloutGroup(tp_group)
+        kwargs = engine_server_args(
+            model_path,
+            tp_size=self._group.size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            dtype=dtype,
+            base_gpu_id=base_gpu_id,
+            seed=seed,
+            extra=server_args,
+        )
+        # The sglang.Engine on the driver; None on the other ranks of the group.
+        self._engine: Any = self._on_driver(lambda: self._api.engine_cls(**kwargs), share_result=False)
+
+    def shutdown(self) -> None:
+        """Stop the SGLang engine's processes (collective)."""
+        self._on_driver(lambda: self._engine.shutdown(), share_result=False)
+
+    # ---- generation -------------------------------------------------------------------------------------------
+    def _generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingParams, step: int, prompt_indices: list[int]
+    ) -> list[RolloutResponse]:
+        """The driver's prompts are generated; every rank of the group gets the responses."""
+
+        def run() -> list[RolloutResponse]:
+            input_ids, params, keys = build_generate_request(prompt_token_ids, sampling, step, prompt_indices)
+            outputs = self._engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True)
+            return parse_generate_output(outputs, keys)
+
+        return self._on_driver(run)
+
+    # ---- weights ----------------------------------------------------------------------------------------------
+    def _load_weights(self, buckets: Iterator[list[NamedTensor]]) -> None:
+        self._on_driver(lambda: check_success(self._engine.begin_weight_update(), "begin_weight_update"))
+        try:
+            while self._push_next_bucket(buckets):
+                pass
+        except Exception:
+            # Close SGLang's session so the next update can open one; the original error is what matters.
+            self._on_driver(lambda: self._engine.end_weight_update(), share_result=False)
+            raise
+        self._on_driver(lambda: check_success(self._engine.end_weight_update(), "end_weight_update"))
+        self._on_driver(lambda: check_success(self._engine.flush_cache(), "flush_cache"))
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
+
+    def _push_next_bucket(self, buckets: Iterator[list[NamedTensor]]) -> bool:
+        """Push one bucket from every rank; False once every rank's stream is exhausted."""
+        keep_alive = None  # this rank's flattened buffer: alive until the driver reports SGLang's call returned
+        try:
+            bucket = next(buckets, None)
+            if bucket is None:
+                local: tuple[str, Any, Any] = ("done", None, None)
+            else:
+                payload, keep_alive = bucket_payload(bucket, self._api)
+                if keep_alive["flattened_tensor"].is_cuda:
+                    torch.cuda.current_stream().synchronize()  # the copy into the buffer is complete before use
+                local = ("bucket", [name for name, _ in bucket], payload)
+        except Exception as exc:
+            if self._group.size == 1:
+                raise
+            # Tell the driver instead of leaving the rest of the group waiting in gather.
+            local = ("error", f"rank failed to produce its weight bucket: {type(exc).__name__}: {exc}", None)
+        gathered = self._group.gather(local)
+        more = self._on_driver(lambda: self._push_gathered(gathered))
+        del keep_alive
+        return more
+
+    def _push_gathered(self, gathered: list[tuple[str, Any, Any]]) -> bool:
+        kinds = {kind for kind, _, _ in gathered}
+        errors = [detail for kind, detail, _ in gathered if kind == "error"]
+        if errors:
+            raise SGLangError("; ".join(errors))
+        if kinds == {"done"}:
+            return False
+        names = [detail for _, detail, _ in gathered]
+        if kinds != {"bucket"} or any(n != names[0] for n in names):
+            raise SGLangError(
+                "the ranks of a rollout-TP group must stream identical weight buckets (same names, same order); "
+                f"got {[len(n) if n else 0 for n in names]} names per rank"
+            )
+        result = self._engine.update_weights_from_tensor(
+            named_tensors=[payload for _, _, payload in gathered], load_format="flattened_bucket", flush_cache=False
+        )
+        check_success(result, "update_weights_from_tensor")
+        return True
+
+    # ---- memory -----------------------------------------------------------------------------------------------
+    def _release_memory(self) -> None:
+        self._on_driver(lambda: self._engine.release_memory_occupation(tags=RELEASE_TAGS))
+
+    def _resume_weight_memory(self) -> None:
+        self._on_driver(lambda: self._engine.resume_memory_occupation(tags=RESUME_WEIGHT_TAGS))
+
+    def _resume_kv_cache(self) -> None:
+        self._on_driver(lambda: self._engine.resume_memory_occupation(tags=RESUME_KV_TAGS))
+
+    def _flush_cache(self) -> None:
+        self._on_driver(lambda: check_success(self._engine.flush_cache(), "flush_cache"))
+
+    # ---- collective helper ------------------------------------------------------------------------------------
+    def _on_driver(self, fn: Callable[[], T], *, share_result: bool = True) -> T:
+        """Run `fn` on the driver; every rank then returns its result (or raises if it failed).
+
+        With share_result=False the result stays on the driver (others get None): for objects that cannot or
+        need not travel, like the engine itself.
+        """
+        if self._group.size == 1:
+            return fn()
+        result, error = None, None
+        if self._group.is_driver:
+            try:
+                result = fn()
+            except Exception as exc:
+                error = exc
+        shared = self._group.broadcast((result if share_result else None, None if error is None else repr(error)))
+        if error is not None:
+            raise error
+        if shared[1] is not None:
+            raise SGLangError(f"the rollout-TP group's driver rank {self._group.driver_rank} failed: {shared[1]}")
+        return result if self._group.is_driver else shared[0]

@@ -1,0 +1,188 @@
+"""The SGLang side of rollout, as plain functions: version check, lazy import, engine arguments, generate requests,
+response parsing and weight-bucket payloads. Kept apart from the engine class so that all of it is testable
+without sglang (tests pass fakes shaped like SGLang 0.5.23's API).
+
+SGLang API used (0.5.23, python/sglang/srt/entrypoints/engine.py):
+  Engine(**server_args); generate(input_ids=[[...]], sampling_params=[{...}], return_logprob=True) -> list of
+  {"output_ids": [...], "meta_info": {"finish_reason": {"type": "stop"|"length"|"abort", ...},
+  "output_token_logprobs": [(logprob, token_id, None), ...]}} in request order;
+  begin_weight_update() / end_weight_update() -> (success, message); update_weights_from_tensor(named_tensors=
+  [one serialized payload per engine TP rank], load_format="flattened_bucket", flush_cache=False) ->
+  (success, message); flush_cache() -> object with .success; release_memory_occupation(tags) /
+  resume_memory_occupation(tags) -> None; shutdown().
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+from collections.abc import Callable
+from typing import Any
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from mppo.rollout.base import NamedTensor, RolloutResponse, SamplingParams
+from mppo.rollout.seeding import sample_seed
+
+# 0.5.23 introduced begin/end_weight_update sessions (updates outside one fail) and multi-dtype flattened buckets.
+SUPPORTED_SGLANG = ">=0.5.23,<0.6"
+INSTALL_HINT = f"pip install 'mppo[gpu]' (or pip install 'sglang{SUPPORTED_SGLANG}')"
+
+# Server arguments the engine's contract depends on; a user override would silently break it.
+_FIXED_SERVER_ARGS = {
+    "load_format": "dummy",  # weights arrive only through update_weights (no checkpoint read at start-up)
+    "skip_tokenizer_init": True,  # we send token ids and read output_ids
+    "enable_memory_saver": True,  # needed by release/resume_memory_occupation
+    "enable_deterministic_inference": True,  # without it SGLang ignores sampling_seed; also batch-invariant kernels
+}
+RELEASE_TAGS = ["kv_cache", "weights", "cuda_graph"]
+RESUME_WEIGHT_TAGS = ["weights"]
+RESUME_KV_TAGS = ["kv_cache", "cuda_graph"]
+
+
+class SGLangError(RuntimeError):
+    """SGLang reported a failure (weight update, generation abort, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SGLangAPI:
+    """The SGLang objects the engine uses; `load_sglang_api()` gives the real ones, tests give fakes."""
+
+    engine_cls: Callable[..., Any]  # sglang.Engine
+    bucket_cls: type  # sglang.srt.weight_sync.tensor_bucket.FlattenedTensorBucket
+    serializer: Any  # sglang.srt.utils.MultiprocessingSerializer (serialize(obj, output_str=True))
+    patch_torch_reductions: Callable[[], None]  # CUDA IPC handles keyed by device UUID, as SGLang expects
+
+
+def check_sglang_version(version: str) -> None:
+    if Version(version) not in SpecifierSet(SUPPORTED_SGLANG):
+        raise ImportError(f"mppo's SGLang rollout needs sglang{SUPPORTED_SGLANG}, found sglang {version}: {INSTALL_HINT}")
+
+
+def load_sglang_api() -> SGLangAPI:
+    """Import SGLang lazily (it is a GPU-only package) after checking its version."""
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        raise ImportError(f"the SGLang rollout engine needs SGLang, which is not installed: {INSTALL_HINT}") from None
+    check_sglang_version(version)
+    import sglang
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    if not getattr(FlattenedTensorBucket, "supports_multi_dtypes", False):
+        raise ImportError(f"sglang {version} cannot carry mixed dtypes in one weight bucket: {INSTALL_HINT}")
+    return SGLangAPI(sglang.Engine, FlattenedTensorBucket, MultiprocessingSerializer, monkey_patch_torch_reductions)
+
+
+def engine_server_args(
+    model_path: str,
+    *,
+    tp_size: int,
+    gpu_memory_utilization: float,
+    dtype: str,
+    base_gpu_id: int,
+    seed: int,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments for sglang.Engine. `model_path` is an HF directory; only its config is read."""
+    if not 0.0 < gpu_memory_utilization < 1.0:
+        raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1), got {gpu_memory_utilization}")
+    extra = dict(extra or {})
+    clashes = sorted(set(extra) & set(_FIXED_SERVER_ARGS))
+    if clashes:
+        raise ValueError(f"SGLang server args {clashes} are fixed by mppo's rollout contract and cannot be overridden")
+    args = {
+        "model_path": model_path,
+        "tp_size": tp_size,
+        "mem_fraction_static": gpu_memory_utilization,
+        "dtype": dtype,
+        "base_gpu_id": base_gpu_id,
+        "random_seed": seed,
+        "log_level": "error",
+        **_FIXED_SERVER_ARGS,
+    }
+    args.update(extra)
+    return args
+
+
+def build_generate_request(
+    prompt_token_ids: list[list[int]], sampling: SamplingParams, step: int, prompt_indices: list[int]
+) -> tuple[list[list[int]], list[dict[str, Any]], list[tuple[int, int]]]:
+    """One SGLang request per (prompt, sample), prompt-major, each with its own sampling_seed.
+
+    SGLang's `n` is not used: its parallel samples would share one seed. Prompts repeated n times hit the radix
+    cache, so the prefill is still shared.
+    """
+    input_ids, params, keys = [], [], []
+    for prompt, prompt_index in zip(prompt_token_ids, prompt_indices, strict=True):
+        for sample_index in range(sampling.n):
+            input_ids.append(list(prompt))
+            params.append(
+                {
+                    "n": 1,
+                    "max_new_tokens": sampling.max_new_tokens,
+                    "temperature": 0.0 if sampling.greedy else sampling.temperature,
+                    "top_p": 1.0 if sampling.greedy else sampling.top_p,
+                    "top_k": -1 if sampling.greedy else sampling.top_k,
+                    "stop_token_ids": list(sampling.stop_token_ids),
+                    "sampling_seed": sample_seed(sampling.seed, step, prompt_index, sample_index),
+                }
+            )
+            keys.append((prompt_index, sample_index))
+    return input_ids, params, keys
+
+
+def parse_generate_output(outputs: list[dict[str, Any]], keys: list[tuple[int, int]]) -> list[RolloutResponse]:
+    """Map SGLang's per-request outputs (same order as the requests) to RolloutResponses."""
+    if len(outputs) != len(keys):
+        raise SGLangError(f"SGLang returned {len(outputs)} outputs for {len(keys)} requests")
+    responses = []
+    for out, (prompt_index, sample_index) in zip(outputs, keys):
+        meta = out["meta_info"]
+        finish = meta["finish_reason"]
+        if finish is None or finish.get("type") not in ("stop", "length"):
+            raise SGLangError(f"SGLang did not finish prompt {prompt_index} sample {sample_index}: {finish}")
+        token_ids = [int(t) for t in out["output_ids"]]
+        logprob_entries = meta["output_token_logprobs"]
+        logprob_ids = [int(entry[1]) for entry in logprob_entries]
+        if logprob_ids != token_ids:
+            raise SGLangError(
+                f"SGLang's output_token_logprobs do not match output_ids for prompt {prompt_index} sample "
+                f"{sample_index} ({len(logprob_ids)} vs {len(token_ids)} tokens)"
+            )
+        responses.append(
+            RolloutResponse(
+                prompt_index=prompt_index,
+                sample_index=sample_index,
+                token_ids=token_ids,
+                log_probs=[float(entry[0]) for entry in logprob_entries],
+                finish_reason=finish["type"],
+            )
+        )
+    return responses
+
+
+def bucket_payload(bucket: list[NamedTensor], api: SGLangAPI) -> tuple[str, dict[str, Any]]:
+    """Flatten one bucket into a NEW buffer and serialize it (CUDA IPC handles on GPU) for one engine TP rank.
+
+    Returns the payload and the flattened data; the caller must keep the data alive (and never write into it)
+    until SGLang's update_weights_from_tensor call for it has returned. The buffer is always fresh, so the
+    exporter may reuse its own bucket memory as soon as this returns.
+    """
+    flat = api.bucket_cls(named_tensors=bucket)
+    data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+    if data["flattened_tensor"].is_cuda:
+        api.patch_torch_reductions()  # CUDA IPC handles must name the device by UUID (SGLang's patch; idempotent)
+    return api.serializer.serialize(data, output_str=True), data
+
+
+def check_success(result: Any, what: str) -> None:
+    """Raise SGLangError unless an SGLang control call succeeded ((success, message) tuple or .success)."""
+    if isinstance(result, tuple):
+        success, message = result[0], result[1] if len(result) > 1 else ""
+    else:
+        success, message = getattr(result, "success", None), getattr(result, "message", "")
+    if success is not True:
+        raise SGLangError(f"SGLang {what} failed: {message if message else repr(result)}")

@@ -1,0 +1,249 @@
+"""The CPU rollout engine against an independent HF transformers model (weights, log-probs, greedy, seeding)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
+
+from mppo.rollout import RolloutStateError, SamplingParams
+from mppo.rollout.cpu_engine import CPURolloutEngine
+
+VOCAB = 500
+
+
+def tiny_qwen2_config(**overrides) -> Qwen2Config:
+    fields = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=None,
+        bos_token_id=None, pad_token_id=None,
+    )
+    fields.update(overrides)
+    return Qwen2Config(**fields)
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """Bitwise batch invariance is claimed for single-threaded torch (see mppo/rollout/cpu_model.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def source():
+    """An HF model with random weights, scaled up so the next-token distributions are far from uniform."""
+    with torch.random.fork_rng():
+        torch.manual_seed(1234)
+        model = AutoModelForCausalLM.from_config(tiny_qwen2_config(initializer_range=0.2), dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(7)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randrange(2, 14))] for _ in range(10)]
+
+
+def loaded_engine(source, config=None) -> CPURolloutEngine:
+    engine = CPURolloutEngine(config or source.config)
+    engine.update_weights(source.state_dict().items())
+    return engine
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def by_key(responses):
+    return {(r.prompt_index, r.sample_index): r for r in responses}
+
+
+SAMPLED = SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=40, max_new_tokens=12, seed=11)
+
+
+def test_weights_after_update_equal_the_source_bitwise(source):
+    state = source.state_dict()
+    names = list(state)
+    buckets = [[(n, state[n]) for n in names[i : i + 5]] for i in range(0, len(names), 5)]
+    stream = buckets[:-1] + [(n, t) for n, t in buckets[-1]]  # buckets and bare pairs mixed
+    engine = CPURolloutEngine(source.config)
+    engine.update_weights(stream)
+    engine_state = engine.state_dict()
+    assert set(engine_state) == set(state)
+    for name, tensor in state.items():
+        assert torch.equal(as_bits(engine_state[name]), as_bits(tensor)), name
+    assert engine_state["lm_head.weight"].data_ptr() == engine_state["model.embed_tokens.weight"].data_ptr()
+    # The engine copies: changing the source afterwards does not change the engine.
+    assert engine_state["model.norm.weight"].data_ptr() != state["model.norm.weight"].data_ptr()
+
+
+def test_update_weights_rejects_bad_streams(source):
+    state = source.state_dict()
+    engine = CPURolloutEngine(source.config)
+    with pytest.raises(KeyError, match="unknown weight 'model.layers.9.mlp.up_proj.weight'"):
+        engine.update_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(3))])
+    with pytest.raises(KeyError, match="lacked 1 of the model's weights.*model.norm.weight"):
+        engine.update_weights([(n, t) for n, t in state.items() if n != "model.norm.weight"])
+    with pytest.raises(ValueError, match="has shape"):
+        engine.update_weights([("model.norm.weight", torch.zeros(3))])
+    with pytest.raises(ValueError, match="sent twice"):
+        engine.update_weights([("model.norm.weight", state["model.norm.weight"])] * 2)
+    tied_wrong = dict(state)
+    tied_wrong["lm_head.weight"] = state["lm_head.weight"] + 1.0
+    with pytest.raises(ValueError, match="tied"):
+        engine.update_weights(tied_wrong.items())
+    with pytest.raises(RolloutStateError, match="update_weights"):  # a failed update leaves no usable weights
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2), step=0)
+    untied = dict(state)
+    del untied["lm_head.weight"]  # tied aliases are optional: SGLang drops lm_head.weight when tied too
+    engine.update_weights(untied.items())
+    engine.generate([[1, 2]], SamplingParams(max_new_tokens=2), step=0)
+
+
+def test_rollout_log_probs_equal_hf_recompute(source, prompts):
+    engine = loaded_engine(source)
+    for sampling, temperature in [(SAMPLED, 0.7), (SamplingParams(n=1, do_sample=False, max_new_tokens=12), 1.0)]:
+        responses = engine.generate(prompts, sampling, step=3)
+        assert len(responses) == len(prompts) * sampling.n
+        worst = 0.0
+        for r in responses:
+            ids = torch.tensor([prompts[r.prompt_index] + r.token_ids])
+            with torch.no_grad():
+                logits = source(ids).logits[0].float()
+            start = len(prompts[r.prompt_index]) - 1
+            reference = torch.log_softmax(logits[start:-1] / temperature, dim=-1)
+            reference = reference.gather(-1, torch.tensor(r.token_ids)[:, None])[:, 0]
+            worst = max(worst, (reference - torch.tensor(r.log_probs)).abs().max().item())
+        assert worst < 1e-5, f"temperature {temperature}: max |rollout - HF recompute| = {worst:.2e}"
+
+
+def test_sampled_tokens_respect_top_k_and_top_p(source, prompts):
+    engine = loaded_engine(source)
+    sampling = SamplingParams(n=4, temperature=1.3, top_k=3, top_p=0.8, max_new_tokens=8, seed=5)
+    for r in engine.generate(prompts, sampling, step=0):
+        ids = torch.tensor([prompts[r.prompt_index] + r.token_ids])
+        with torch.no_grad():
+            logits = source(ids).logits[0, len(prompts[r.prompt_index]) - 1 : -1]
+        probs = torch.softmax(logits / 1.3, dim=-1)
+        for position, token in enumerate(r.token_ids):
+            row = probs[position]
+            rank = int((row > row[token]).sum())
+            assert rank < 3, "sampled outside the top-k"
+            assert row[row > row[token]].sum() <= 0.8 + 1e-6, "sampled outside the nucleus"
+
+
+def test_same_seed_same_rollouts_across_batch_compositions_and_dp_splits(source, prompts):
+    engine = loaded_engine(source)
+    together = by_key(engine.generate(prompts, SAMPLED, step=4))
+    compositions = {
+        "one by one": [r for i, p in enumerate(prompts) for r in engine.generate([p], SAMPLED, step=4, prompt_offsets=[i])],
+        "reversed": engine.generate(prompts[::-1], SAMPLED, step=4, prompt_offsets=list(range(len(prompts)))[::-1]),
+    }
+    # DP2: two engine instances (two "ranks"), each with its half of the global prompt list.
+    half = len(prompts) // 2
+    rank0, rank1 = loaded_engine(source), loaded_engine(source)
+    compositions["DP2"] = rank0.generate(prompts[:half], SAMPLED, step=4) + rank1.generate(
+        prompts[half:], SAMPLED, step=4, prompt_offsets=list(range(half, len(prompts)))
+    )
+    for label, responses in compositions.items():
+        got = by_key(responses)
+        assert set(got) == set(together), label
+        for key, reference in together.items():
+            assert got[key].token_ids == reference.token_ids, (label, key)
+            assert got[key].log_probs == reference.log_probs, (label, key)  # bitwise, single-threaded
+            assert got[key].finish_reason == reference.finish_reason, (label, key)
+
+
+def test_seeds_steps_and_samples_give_different_rollouts(source, prompts):
+    engine = loaded_engine(source)
+
+    def tokens(sampling, step):
+        return [r.token_ids for r in engine.generate(prompts, sampling, step=step)]
+
+    base = tokens(SAMPLED, 0)
+    assert tokens(SAMPLED, 0) == base
+    assert tokens(SamplingParams(**{**SAMPLED.__dict__, "seed": 12}), 0) != base
+    assert tokens(SAMPLED, 1) != base
+    per_prompt = [base[i : i + SAMPLED.n] for i in range(0, len(base), SAMPLED.n)]
+    assert any(len({tuple(s) for s in samples}) > 1 for samples in per_prompt), "the n samples of a prompt differ"
+
+
+def test_greedy_equals_hf_generate(source, prompts):
+    engine = loaded_engine(source)
+    for sampling in [SamplingParams(do_sample=False, max_new_tokens=10), SamplingParams(temperature=0.0, max_new_tokens=10)]:
+        responses = engine.generate(prompts, sampling, step=0)
+        for r in responses:
+            ids = torch.tensor([prompts[r.prompt_index]])
+            with torch.no_grad():
+                hf = source.generate(
+                    ids, attention_mask=torch.ones_like(ids),
+                    generation_config=GenerationConfig(do_sample=False, max_new_tokens=10, min_new_tokens=10),
+                )
+            assert r.token_ids == hf[0, ids.shape[1] :].tolist()
+            assert r.finish_reason == "length"
+
+
+def test_stop_tokens_and_length_limit(source, prompts):
+    engine = loaded_engine(source)
+    greedy = SamplingParams(do_sample=False, max_new_tokens=10)
+    reference = engine.generate(prompts[:1], greedy, step=0)[0].token_ids
+    stop_at = next(i for i in range(2, 10) if reference[i] not in reference[:i])
+    stop_token = reference[stop_at]
+
+    stopped = engine.generate(prompts[:1], SamplingParams(do_sample=False, max_new_tokens=10, stop_token_ids=[stop_token]), step=0)[0]
+    assert stopped.token_ids == reference[: stop_at + 1] and stopped.finish_reason == "stop"
+    assert len(stopped.log_probs) == stop_at + 1
+
+    eos_engine = loaded_engine(source, tiny_qwen2_config(initializer_range=0.2, eos_token_id=stop_token))
+    by_eos = eos_engine.generate(prompts[:1], greedy, step=0)[0]  # the config's eos stops too, as in SGLang
+    assert by_eos.token_ids == reference[: stop_at + 1] and by_eos.finish_reason == "stop"
+
+    for r in engine.generate(prompts, SamplingParams(n=2, max_new_tokens=3, seed=1), step=0):
+        assert len(r.token_ids) == 3 and r.finish_reason == "length"
+
+
+def test_release_and_resume_round_trip(source, prompts):
+    engine = loaded_engine(source)
+    before = engine.generate(prompts, SAMPLED, step=2)
+    engine.release()
+    assert all(t.numel() == 0 for t in engine.state_dict().values()), "release() frees the weights"
+    with pytest.raises(RolloutStateError):
+        engine.generate(prompts, SAMPLED, step=2)
+    with pytest.raises(RolloutStateError, match="update_weights"):
+        engine.resume()
+    engine.update_weights(source.state_dict().items())
+    with pytest.raises(RolloutStateError, match="resume"):
+        engine.generate(prompts, SAMPLED, step=2)
+    engine.resume()
+    engine.flush_cache()
+    after = engine.generate(prompts, SAMPLED, step=2)
+    assert [(r.token_ids, r.log_probs) for r in after] == [(r.token_ids, r.log_probs) for r in before]
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(as_bits(engine.state_dict()[name]), as_bits(tensor)), name
+
+
+def test_bad_generate_arguments(source):
+    engine = loaded_engine(source)
+    with pytest.raises(ValueError, match="global index of each prompt"):
+        engine.generate([[1], [2]], SAMPLED, step=0, prompt_offsets=[0])
+    with pytest.raises(ValueError, match="distinct"):
+        engine.generate([[1], [2]], SAMPLED, step=0, prompt_offsets=[3, 3])
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[]], SAMPLED, step=0)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine.generate([[1] * 250], SAMPLED, step=0)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.generate([[VOCAB]], SAMPLED, step=0)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    other_architecture = tiny_qwen2_config()
+    other_architecture.model_type = "gpt2"
+    with pytest.raises(ValueError, match="model_type"):
+        CPURolloutEngine(other_architecture)
+    with pytest.raises(ValueError, match="sliding"):
+        CPURolloutEngine(tiny_qwen2_config(use_sliding_window=True, sliding_window=8, max_window_layers=0))
