@@ -207,7 +207,7 @@ class CustomRewardFnConfig:
 @dataclass
 class RewardConfig:
     custom_fn: CustomRewardFnConfig = field(default_factory=CustomRewardFnConfig)  # user reward function
-    format_score: float = 0.1  # built-in scorers: score of a well-formed but wrong answer (TinyZero)
+    format_score: Optional[float] = None  # score of a well-formed wrong answer; null: each task's own (countdown 0.1)
 
 
 # -------------------------------------------------------------------------------------------------------- trainer

@@ -1,0 +1,78 @@
+"""What a user sees: veRL-named data metrics against hand computation, the metrics file, resume truncation, plot."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mppo.data.loader import PromptBatch
+from mppo.rollout.base import RolloutResponse
+from mppo.trainer.metrics import MetricsLogger, compute_data_metrics, plot_metrics, read_metrics
+from mppo.trainer.rollout_batch import build_rollout_batch
+
+
+def test_data_metrics_match_hand_computation():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.float32)
+    batch = {
+        "response_mask": mask,
+        "prompt_mask": torch.tensor([[0, 1], [1, 1]]),
+        "token_level_scores": torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.0]]),
+        "token_level_rewards": torch.tensor([[0.0, 0.9, 0.0], [0.5, 0.0, 0.0]]),
+        "advantages": torch.tensor([[1.0, 2.0, 99.0], [4.0, 99.0, 99.0]]),
+        "returns": torch.tensor([[1.0, 1.0, 99.0], [0.0, 99.0, 99.0]]),
+        "values": torch.tensor([[0.5, 0.5, 99.0], [0.0, 99.0, 99.0]]),
+    }
+    m = compute_data_metrics(batch, max_response_length=3, max_prompt_length=2)
+    assert m["critic/score/mean"] == pytest.approx(0.75)
+    assert m["critic/rewards/mean"] == pytest.approx(0.7)
+    assert m["critic/advantages/mean"] == pytest.approx(7 / 3)  # padding (99) excluded
+    assert m["critic/advantages/max"] == 4.0
+    assert m["critic/returns/min"] == 0.0
+    assert m["critic/values/mean"] == pytest.approx(1 / 3)
+    assert m["response_length/mean"] == 1.5 and m["response_length/clip_ratio"] == 0.0
+    assert m["prompt_length/mean"] == 1.5 and m["prompt_length/clip_ratio"] == 0.5
+    # explained variance: 1 - var(returns - values) / var(returns), population variances over valid tokens
+    r, v = torch.tensor([1.0, 1.0, 0.0]), torch.tensor([0.5, 0.5, 0.0])
+    expected = 1 - (r - v).var(unbiased=False) / (r.var(unbiased=False) + 1e-5)
+    assert m["critic/vf_explained_var"] == pytest.approx(expected.item())
+
+
+def test_rollout_batch_layout():
+    prompts = PromptBatch(input_ids=torch.tensor([[9, 5, 6], [7, 8, 4]]),
+                          attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
+                          position_ids=torch.tensor([[0, 0, 1], [0, 1, 2]]), raw_prompts=["a", "b"],
+                          data_sources=["x", "x"], ground_truths=[1, 2], extra_infos=[{}, {}],
+                          indices=torch.tensor([10, 11]))
+    responses = [RolloutResponse(0, 0, [1], [-0.5], "stop"), RolloutResponse(0, 1, [2, 3], [-1.0, -2.0], "length"),
+                 RolloutResponse(1, 0, [4, 5], [-0.1, -0.2], "length"), RolloutResponse(1, 1, [6], [-0.3], "stop")]
+    b = build_rollout_batch(prompts, responses, n=2, max_response_length=3, pad_token_id=0)
+    assert b["input_ids"].tolist()[1] == [9, 5, 6, 2, 3, 0]
+    assert b["attention_mask"].tolist()[1] == [0, 1, 1, 1, 1, 0]
+    assert b["position_ids"].tolist()[1] == [0, 0, 1, 2, 3, 3]
+    assert b["response_mask"].tolist()[3] == [1, 0, 0]
+    assert b["rollout_log_probs"][1].tolist() == [-1.0, -2.0, 0.0]
+    assert b["uid"].tolist() == [10, 10, 11, 11]
+    with pytest.raises(ValueError, match="more than max_response_length"):
+        build_rollout_batch(prompts, responses, n=2, max_response_length=1, pad_token_id=0)
+
+
+def test_metrics_file_truncates_on_resume_and_plots(tmp_path):
+    logger = MetricsLogger(tmp_path, ["console"], enabled=True, project="p", experiment="e")
+    for step in range(1, 5):
+        logger.log(step, {"critic/score/mean": step / 10, "val/test_score/countdown": step / 20,
+                          "actor/ppo_kl": float("nan") if step == 2 else 0.0})
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[1]["actor/ppo_kl"] == "nan"
+    logger.truncate_after(2)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    png = plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "metrics.png")
+    assert png.stat().st_size > 1000
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["critic/score/mean"] == 0.1
+
+
+def test_tensorboard_events_written(tmp_path):
+    logger = MetricsLogger(tmp_path, ["tensorboard"], enabled=True, project="p", experiment="e")
+    logger.log(1, {"actor/pg_loss": 0.5})
+    logger.close()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
