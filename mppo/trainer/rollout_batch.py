@@ -1,0 +1,69 @@
+"""Turn prompts and sampled responses into the padded tensor batch every worker consumes (veRL's layout).
+
+Row r of the batch is sample `r % n` of prompt `r // n` (prompt-major, as engines return them):
+
+    input_ids      [B·n, P+T]  left-padded prompt ++ right-padded response
+    attention_mask [B·n, P+T]  1 on real tokens
+    position_ids   [B·n, P+T]  0 at each prompt's first token, counting through the response
+    prompt_mask    [B·n, P]
+    responses      [B·n, T]    T = max_response_length (fixed, so every rank and micro-batch agrees on shapes)
+    response_mask  [B·n, T]
+    rollout_log_probs [B·n, T] the engine's log-probs (diagnostics: rollout vs actor mismatch)
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from mppo.data.loader import PromptBatch
+from mppo.rollout.base import RolloutResponse
+
+
+def build_rollout_batch(prompts: PromptBatch, responses: Sequence[RolloutResponse], *, n: int,
+                        max_response_length: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+    if len(responses) != len(prompts) * n:
+        raise ValueError(f"expected {len(prompts)} prompts × n={n} responses, got {len(responses)}")
+    rows = len(responses)
+    responses_t = torch.full((rows, max_response_length), pad_token_id, dtype=torch.int64)
+    response_mask = torch.zeros((rows, max_response_length), dtype=torch.float32)
+    rollout_log_probs = torch.zeros((rows, max_response_length), dtype=torch.float32)
+    for r, resp in enumerate(responses):
+        length = len(resp.token_ids)
+        if length > max_response_length:
+            raise ValueError(f"engine returned {length} tokens for prompt {resp.prompt_index}, more than "
+                             f"max_response_length={max_response_length}")
+        responses_t[r, :length] = torch.tensor(resp.token_ids, dtype=torch.int64)
+        response_mask[r, :length] = 1.0
+        rollout_log_probs[r, :length] = torch.tensor(resp.log_probs, dtype=torch.float32)
+    prompt_ids = prompts.input_ids.repeat_interleave(n, dim=0)
+    prompt_mask = prompts.attention_mask.repeat_interleave(n, dim=0)
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    return {
+        "input_ids": torch.cat([prompt_ids, responses_t], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        "prompt_mask": prompt_mask,
+        "responses": responses_t,
+        "response_mask": response_mask,
+        "rollout_log_probs": rollout_log_probs,
+        # Group id of each row: the prompt's GLOBAL dataset index (GRPO-style estimators group by it).
+        "uid": prompts.indices.repeat_interleave(n),
+    }
+
+
+def all_gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Concatenate equal-shaped per-rank row blocks along dim 0, in rank order (identity without a group)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+def local_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's block of a gathered tensor (the inverse of all_gather_rows)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return tensor
+    return tensor.chunk(dist.get_world_size(group), dim=0)[dist.get_rank(group)]
