@@ -1,0 +1,206 @@
+"""Per-GPU memory of one model role (actor, critic, reference) and of the rollout engine, from first principles.
+
+Model state (what megatron-core allocates; a test compares these with a real CPU run):
+  weights    params of this rank x param bytes (bf16 on GPU, fp32 on CPU)
+  gradients  megatron DDP's contiguous grad buffer: fp32 (`grad_reduce_in_fp32`, the standard for bf16 training;
+             fp32 params have fp32 grads anyway). It stays whole with the distributed optimizer (ZeRO-1, not -2).
+  optimizer  Adam exp_avg + exp_avg_sq in fp32, plus an fp32 master copy when params are 16-bit; divided over
+             DP ranks by the distributed optimizer.
+Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Table 2,
+the rows for tensor parallelism without sequence parallelism (mppo builds without it):
+  none       s·b·h·(10 + 24/t + 5·a·s/(h·t))   selective  s·b·h·(10 + 24/t)   full  2·s·b·h per layer
+(bytes, 16-bit activations), itemised so that it holds for this architecture: the paper's GeLU MLP (4h in, 4h out)
+becomes SwiGLU (2F fc1 output + F fc2 input), its K/V become GQA's g heads, dropout masks are dropped (mppo's
+models use dropout 0), and the s² attention-score term exists only with unfused (local) attention: Transformer
+Engine's fused/flash attention keeps an fp32 log-sum-exp per head and token instead. Pipeline stages hold several
+micro-batches at once: megatron's 1F1B warm-up count (interleaved: the paper's factor 1 + (p-1)/(p·v)).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mppo.kernels.fused_logprob import CHUNK_ELEMENTS
+from mppo.models.hf_config import HFModelArgs
+from mppo.models.vocab import padded_vocab_size
+
+FP32 = 4
+ADAM_MOMENTS = 2  # exp_avg, exp_avg_sq
+FUSED_CHUNK_BUFFERS = 3  # live chunk-sized fp32 buffers of the fused log-prob kernel (logits, exp, grad)
+FUSED_BYTES_PER_TOKEN = 4 * FP32  # the per-token statistics it saves for the backward (max, sum, lse, entropy)
+NAIVE_FP32_COPIES = 3  # naive path: fp32 logits / temperature, log-softmax, softmax (entropy), besides the logits
+
+
+class PlanError(ValueError):
+    """The model cannot be laid out as configured (the message says what to change)."""
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    """How one model role is sharded and run on every rank."""
+
+    role: str  # "actor", "critic" or "ref"
+    tp: int
+    pp: int
+    vpp: int | None  # virtual pipeline chunks per stage; None = no interleaving
+    dp: int
+    distributed_optimizer: bool
+    recompute: str  # none | selective | full
+    micro_batch: float  # samples per training forward/backward (0 for ref); fractional under token budgets
+    forward_micro_batch: float  # samples per forward-only pass (log-probs / values)
+    micro_batches_per_step: int  # micro-batches per mini-batch on one DP rank (pipeline warm-up bound)
+    trains: bool
+    offloaded: bool  # weights live in host memory between uses (ref.offload_to_cpu)
+
+
+@dataclass(frozen=True)
+class Precision:
+    param_bytes: int  # 2 (bf16) or 4 (fp32)
+    grad_bytes: int  # fp32 main grads
+    master_bytes: int  # fp32 master copy of 16-bit params in the optimizer, 0 for fp32 params
+    act_bytes: int  # activations: the compute dtype
+    flash_attention: bool  # TE fused attention (no s² scores kept)
+
+    @staticmethod
+    def for_dtype(param_bytes: int, flash_attention: bool) -> "Precision":
+        return Precision(param_bytes, FP32, 0 if param_bytes == FP32 else FP32, param_bytes, flash_attention)
+
+
+# ---------------------------------------------------------------------------------------------------- parameters
+def layer_params(a: HFModelArgs, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank (attention + SwiGLU MLP + two RMSNorms)."""
+    q, kv = a.num_attention_heads * a.head_dim, a.num_query_groups * a.head_dim
+    qkv = a.hidden_size * (q + 2 * kv) + ((q + 2 * kv) if a.qkv_bias else 0)
+    sharded = qkv + q * a.hidden_size + 3 * a.hidden_size * a.ffn_hidden_size
+    return math.ceil(sharded / tp) + 2 * a.hidden_size
+
+
+def embedding_params(a: HFModelArgs, tp: int) -> int:
+    """One vocab-parallel [padded vocab / TP, hidden] table (input embedding or output layer)."""
+    return padded_vocab_size(a.vocab_size, tp) // tp * a.hidden_size
+
+
+def check_layout(a: HFModelArgs, lay: RoleLayout) -> None:
+    if a.num_query_groups % lay.tp:
+        raise PlanError(f"{lay.role}: TP={lay.tp} does not divide the model's {a.num_query_groups} key/value heads; "
+                        f"choose a tensor_model_parallel_size that divides {a.num_query_groups}")
+    chunks = lay.pp * (lay.vpp or 1)
+    if a.num_layers % chunks:
+        raise PlanError(f"{lay.role}: {a.num_layers} layers do not split into PP x VPP = {chunks} equal chunks; "
+                        f"choose pipeline sizes whose product divides {a.num_layers}")
+
+
+def stage_params(a: HFModelArgs, lay: RoleLayout, stage: int) -> int:
+    """Parameters held by a rank of pipeline stage `stage` (all its virtual chunks)."""
+    n = layer_params(a, lay.tp) * (a.num_layers // lay.pp)
+    if stage == 0:
+        n += embedding_params(a, lay.tp)
+    if stage == lay.pp - 1:
+        n += a.hidden_size  # final norm
+        if lay.role == "critic":
+            n += a.hidden_size + 1  # value head
+        elif not a.tie_word_embeddings or lay.pp > 1:  # tied at PP>1: the last stage keeps its own copy
+            n += embedding_params(a, lay.tp)
+    return n
+
+
+def total_params(a: HFModelArgs) -> int:
+    """The HF model's parameter count (unpadded vocabulary, no sharding)."""
+    emb = a.vocab_size * a.hidden_size
+    return layer_params(a, 1) * a.num_layers + a.hidden_size + emb * (1 if a.tie_word_embeddings else 2)
+
+
+@dataclass(frozen=True)
+class ModelState:
+    params: int
+    weights: int  # bytes on the GPU (0 when offloaded)
+    host_weights: int  # bytes kept in host memory (offloaded reference)
+    grads: int
+    optimizer: int
+    optimizer_unsharded: int  # what the optimizer would take without the distributed optimizer
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer
+
+
+def model_state(a: HFModelArgs, lay: RoleLayout, prec: Precision, stage: int) -> ModelState:
+    params = stage_params(a, lay, stage)
+    weights = params * prec.param_bytes
+    if not lay.trains:
+        return ModelState(params, 0 if lay.offloaded else weights, weights if lay.offloaded else 0, 0, 0, 0)
+    opt = params * (prec.master_bytes + ADAM_MOMENTS * FP32)
+    sharded = math.ceil(opt / lay.dp) if lay.distributed_optimizer else opt
+    return ModelState(params, weights, 0, params * prec.grad_bytes, sharded, opt)
+
+
+# --------------------------------------------------------------------------------------------------- activations
+def layer_activation_bytes(a: HFModelArgs, tp: int, seq: int, batch: float, prec: Precision,
+                           recompute: str) -> float:
+    """Bytes one layer keeps for the backward of one micro-batch [batch x seq] (see the module docstring)."""
+    sb, e, h = seq * batch, prec.act_bytes, a.hidden_size
+    if recompute == "full":
+        return sb * h * e  # only the layer input; the rest is recomputed
+    # replicated over TP: inputs of the two norms, of the QKV projection and of fc1
+    replicated = 4 * sb * h * e
+    # split over TP: Q, K, V; the attention output (out-projection input); SwiGLU's fc1 output and fc2 input
+    qkv = sb * a.head_dim * (a.num_attention_heads + 2 * a.num_query_groups)
+    sharded = (qkv + sb * a.num_attention_heads * a.head_dim + 3 * sb * a.ffn_hidden_size) * e / tp
+    if prec.flash_attention:
+        scores = sb * a.num_attention_heads * FP32 / tp  # log-sum-exp per head and token
+    else:
+        scores = batch * a.num_attention_heads * seq * seq * e / tp  # softmax output
+    return replicated + sharded + (0 if recompute == "selective" else scores)  # selective: core attention redone
+
+
+def layers_in_flight(a: HFModelArgs, lay: RoleLayout, stage: int) -> float:
+    """Layer-activations a stage holds at the peak of megatron's schedule, in units of (layer x micro-batch)."""
+    m = max(1, lay.micro_batches_per_step)
+    if lay.pp == 1:
+        return a.num_layers  # one micro-batch at a time
+    if not lay.vpp:
+        return min(lay.pp - stage, m) * a.num_layers / lay.pp
+    warmup = (lay.pp - stage - 1) * 2 + (lay.vpp - 1) * lay.pp  # megatron's interleaved warm-up micro-batches
+    return min(warmup + 1, m * lay.vpp) * a.num_layers / (lay.pp * lay.vpp)
+
+
+def training_activations(a: HFModelArgs, lay: RoleLayout, prec: Precision, seq: int, stage: int
+                         ) -> tuple[float, float]:
+    """(bytes of one micro-batch's activations on this stage, bytes at the schedule's peak)."""
+    stored = layer_activation_bytes(a, lay.tp, seq, lay.micro_batch, prec, lay.recompute)
+    per_micro = stored * a.num_layers / lay.pp
+    peak = stored * layers_in_flight(a, lay, stage)
+    if lay.recompute == "full":  # the backward recomputes one layer with everything kept
+        peak += layer_activation_bytes(a, lay.tp, seq, lay.micro_batch, prec, "none")
+    return per_micro, peak
+
+
+def forward_only_bytes(a: HFModelArgs, tp: int, seq: int, batch: float, prec: Precision) -> float:
+    """Transient working set of a no-grad forward: about one layer's intermediate tensors."""
+    return layer_activation_bytes(a, tp, seq, batch, prec, "none")
+
+
+# -------------------------------------------------------------------------------------------- log-prob working set
+def logprob_bytes(a: HFModelArgs, tp: int, tokens: float, prec: Precision, fused: bool) -> float:
+    """Memory of turning [tokens, hidden] into log-probs + entropy on one TP rank.
+
+    naive: the output layer's logits [tokens x V/TP] plus NAIVE_FP32_COPIES fp32 tensors of that size.
+    fused: at most FUSED_CHUNK_BUFFERS fp32 chunks of CHUNK_ELEMENTS logits, plus per-token statistics.
+    """
+    v_local = padded_vocab_size(a.vocab_size, tp) // tp
+    naive = tokens * v_local * (prec.act_bytes + NAIVE_FP32_COPIES * FP32)
+    if not fused:
+        return naive
+    chunk = min(tokens * v_local, CHUNK_ELEMENTS)
+    return FUSED_CHUNK_BUFFERS * chunk * FP32 + tokens * FUSED_BYTES_PER_TOKEN
+
+
+# ------------------------------------------------------------------------------------------------- rollout engine
+def kv_bytes_per_token(a: HFModelArgs, engine_tp: int, kv_bytes: int) -> int:
+    """K and V of one token in every layer on one engine GPU (KV heads replicate when TP exceeds them)."""
+    heads = math.ceil(a.num_query_groups / engine_tp)
+    return 2 * a.num_layers * heads * a.head_dim * kv_bytes
+
+
+def engine_weight_bytes(a: HFModelArgs, engine_tp: int, param_bytes: int) -> float:
+    return total_params(a) * param_bytes / engine_tp

@@ -1,0 +1,325 @@
+"""`plan(cfg, hf_args, device_memory_bytes) -> Plan`: per-GPU memory, fit verdict, knobs and step time of a config.
+
+Two phases share each GPU (co-located design): TRAINING, where the rollout engine has released its memory and the
+actor, critic and reference state plus the largest activation working set must fit; and ROLLOUT, where the
+training state stays resident and SGLang sizes its KV cache from the memory that was free when it started
+(`gpu_memory_utilization` is SGLang's mem_fraction_static: KV = free_before_load x fraction - engine weights,
+the rest of the free memory is left for its activations and CUDA graphs). That assumes the engine starts after
+the training models are built. The reported figures are those of the worst rank (pipeline stage); every rank of
+a stage holds the same.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mppo.config import MppoConfig, resolve
+from mppo.models.hf_config import HFModelArgs
+from mppo.plan import memory as mem
+from mppo.plan.catalog import DEVICES, DeviceSpec, GiB
+from mppo.plan.timing import StepTime, Workload, bubble, forward_flops, generation_time, training_flops
+
+RUNTIME_RESERVE = 3 * GiB  # CUDA context, NCCL buffers, allocator fragmentation: a rule of thumb, not measured
+FORWARD_PHASE = {"actor": "old_log_prob", "ref": "ref", "critic": "values"}
+MEGATRON = {"actor": "actor_rollout_ref.actor.megatron", "critic": "critic.megatron",
+            "ref": "actor_rollout_ref.ref.megatron"}
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    layout: mem.RoleLayout
+    stage: int  # the pipeline stage reported
+    state: mem.ModelState
+    activations_per_micro_batch: float  # one training micro-batch on this stage (0 for the reference)
+    activations_peak: float  # at the schedule's peak (micro-batches in flight; + one recomputed layer)
+    forward_working_set: float  # its no-grad forward pass (log-probs or values)
+
+
+@dataclass(frozen=True)
+class LogProbPlan:
+    impl: str  # configured: fused | naive
+    tokens: float  # tokens of the largest actor/ref micro-batch
+    fused_bytes: float
+    naive_bytes: float
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    engine: str  # sglang | cpu
+    engine_tp: int
+    engines: int
+    gpu_memory_utilization: float  # SGLang: share of the memory free at its start; CPU engine: share of the rank's
+    resident: float  # training state + runtime reserve on the worst rank while the engine runs
+    weights: float  # engine weight shard per GPU
+    kv_cache: float  # bytes per GPU (negative: the engine cannot start)
+    kv_bytes_per_token: int
+    sequence_len: int
+    sequences_per_engine: int
+
+    @property
+    def kv_tokens(self) -> int:
+        return max(0, int(self.kv_cache // self.kv_bytes_per_token))
+
+    @property
+    def concurrent_sequences(self) -> int:
+        return self.kv_tokens // self.sequence_len
+
+    @property
+    def fits(self) -> bool:
+        return self.concurrent_sequences >= 1
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    overrides: tuple[str, ...]  # key=value overrides to try
+    why: str
+    training_peak: float
+    kv_tokens: int
+    fits: bool
+    problem: str | None  # the config error the overrides cause (other keys must change too), if any
+
+
+@dataclass
+class Plan:
+    model: str
+    params: int
+    device: DeviceSpec
+    dtype: str  # parameter dtype: bf16 | fp32
+    attention: str  # flash (Transformer Engine) | unfused (local spec)
+    world: int
+    sequence_len: int
+    roles: list[RolePlan]
+    runtime_reserve: int
+    training_phases: dict[str, float]  # phase -> working set on the reported stage
+    logprob: LogProbPlan
+    rollout: RolloutPlan
+    step: StepTime | None
+    suggestions: list[Suggestion] = field(default_factory=list)
+    source: str = ""  # the config file planned
+
+    @property
+    def resident(self) -> float:
+        return sum(r.state.total for r in self.roles) + self.runtime_reserve
+
+    @property
+    def training_peak(self) -> float:
+        return self.resident + max(self.training_phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.training_phases, key=self.training_phases.get)
+
+    @property
+    def fits_training(self) -> bool:
+        return self.training_peak <= self.device.memory_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_training and self.rollout.fits
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(resident=self.resident, training_peak=self.training_peak, peak_phase=self.peak_phase,
+                   fits_training=self.fits_training, fits_rollout=self.rollout.fits, fits=self.fits)
+        out["rollout"].update(kv_tokens=self.rollout.kv_tokens,
+                              concurrent_sequences=self.rollout.concurrent_sequences)
+        if self.step is not None:
+            out["step"].update(total_s=self.step.total_s, tokens_per_s_per_gpu=self.step.tokens_per_s_per_gpu)
+        return _finite(out)
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no infinity: a time that cannot be estimated (no KV cache) becomes null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------- layouts
+def uses_ref(cfg: MppoConfig) -> bool:
+    return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
+
+
+def _layouts(cfg: MppoConfig, world: int, seq: int) -> list[mem.RoleLayout]:
+    arr, n, samples = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size
+    dynamic = arr.actor.use_dynamic_bsz
+    roles = [("actor", arr.actor, True)]
+    roles += [("critic", cfg.critic, True)] if cfg.critic.enable else []
+    roles += [("ref", arr.ref, False)] if uses_ref(cfg) else []
+    out = []
+    for role, section, trains in roles:
+        m = section.megatron
+        tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+        if world % (tp * pp):
+            raise mem.PlanError(f"{MEGATRON[role]}: TP x PP = {tp * pp} does not divide the {world} GPUs")
+        dp = world // (tp * pp)
+        if trains:
+            budget = section.ppo_max_token_len_per_gpu / seq
+            micro = budget if section.use_dynamic_bsz else section.ppo_micro_batch_size_per_gpu
+            fwd = arr.rollout.log_prob_micro_batch_size_per_gpu if role == "actor" else micro
+            per_rank = section.ppo_mini_batch_size * n / dp
+        else:
+            micro, fwd, per_rank = 0, section.log_prob_micro_batch_size_per_gpu, samples * n / dp
+        if dynamic and role != "critic":
+            fwd = arr.actor.ppo_max_token_len_per_gpu / seq
+        out.append(mem.RoleLayout(
+            role=role, tp=tp, pp=pp, vpp=m.virtual_pipeline_model_parallel_size, dp=dp,
+            distributed_optimizer=bool(m.use_distributed_optimizer), recompute=m.recompute, micro_batch=micro,
+            forward_micro_batch=fwd, micro_batches_per_step=max(1, int(per_rank // max(micro or fwd, 1))),
+            trains=trains, offloaded=role == "ref" and arr.ref.offload_to_cpu))
+    return out
+
+
+def _role_plan(a: HFModelArgs, lay: mem.RoleLayout, prec: mem.Precision, seq: int, stage: int,
+               fused: bool) -> tuple[RolePlan, dict[str, float]]:
+    """The role's state on `stage` and the working set of each phase it runs there."""
+    state = mem.model_state(a, lay, prec, stage)
+    last = stage == lay.pp - 1
+    phases: dict[str, float] = {}
+    per_micro = peak = 0.0
+    if lay.trains:
+        per_micro, peak = mem.training_activations(a, lay, prec, seq, stage)
+        logits = mem.logprob_bytes(a, lay.tp, lay.micro_batch * seq, prec, fused) if lay.role == "actor" else 0
+        phases[f"update_{lay.role}"] = peak + (logits if last else 0)
+    fwd = mem.forward_only_bytes(a, lay.tp, seq, lay.forward_micro_batch, prec)
+    if last and lay.role != "critic":
+        fwd += mem.logprob_bytes(a, lay.tp, lay.forward_micro_batch * seq, prec, fused)
+    phases[FORWARD_PHASE[lay.role]] = fwd + state.host_weights  # an offloaded ref is swapped in to run
+    return RolePlan(lay, stage, state, per_micro, peak, fwd), phases
+
+
+def _stage_peak(roles: list[RolePlan], phases: dict[str, float]) -> float:
+    return sum(r.state.total for r in roles) + max(phases.values())
+
+
+def _worst_stage(a: HFModelArgs, lay: mem.RoleLayout, prec: mem.Precision, seq: int, fused: bool) -> int:
+    def peak(stage: int) -> float:
+        role, phases = _role_plan(a, lay, prec, seq, stage, fused)
+        return _stage_peak([role], phases)
+
+    return max(range(lay.pp), key=peak)
+
+
+def _memory(a: HFModelArgs, layouts: list[mem.RoleLayout], prec: mem.Precision, seq: int, fused: bool
+            ) -> tuple[list[RolePlan], dict[str, float], float]:
+    """(role plans, phase working sets) of the worst stage, and the largest resident state of any stage."""
+    if len({lay.pp for lay in layouts}) == 1:  # same pipeline: rank r is stage k of every model
+        candidates = [[(lay, k) for lay in layouts] for k in range(layouts[0].pp)]
+    else:  # different pipelines: each model's worst stage, summed (an upper bound)
+        candidates = [[(lay, _worst_stage(a, lay, prec, seq, fused)) for lay in layouts]]
+    best: tuple[float, list[RolePlan], dict[str, float]] | None = None
+    resident = 0.0
+    for stage_set in candidates:
+        plans, phases = [], {}
+        for lay, k in stage_set:
+            rp, ph = _role_plan(a, lay, prec, seq, k, fused)
+            plans.append(rp)
+            phases.update(ph)
+        resident = max(resident, sum(r.state.total for r in plans))
+        peak = _stage_peak(plans, phases)
+        if best is None or peak > best[0]:
+            best = (peak, plans, phases)
+    assert best is not None
+    return best[1], best[2], resident
+
+
+# ------------------------------------------------------------------------------------------------------ plan
+def plan(cfg: MppoConfig, hf_args: HFModelArgs, device_memory_bytes: int | None = None, *, device: str = "h100",
+         mfu: float = 0.4, model_name: str = "", suggest: bool = True) -> Plan:
+    """Per-GPU memory and step time of `cfg` for the model `hf_args` on `device` (h100, h200 or cpu).
+
+    `device_memory_bytes` overrides the device's memory. On "cpu" the memory is this host's RAM shared by the
+    node's ranks and no step time is estimated. Raises PlanError when the layout cannot hold the model.
+    """
+    cfg = resolve(cfg)
+    spec = cpu_device(cfg.trainer.n_gpus_per_node) if device == "cpu" else DEVICES[device]
+    if device_memory_bytes is not None:
+        spec = DeviceSpec(f"{spec.name}, {device_memory_bytes / GiB:.0f} GiB", int(device_memory_bytes),
+                          spec.hbm_bytes_per_s, spec.peak_flops)
+    on_gpu = device != "cpu"
+    arr = cfg.actor_rollout_ref
+    dtype = arr.model.dtype if arr.model.dtype != "auto" else ("bf16" if on_gpu else "fp32")
+    flash = on_gpu and arr.model.transformer_impl in ("auto", "te")
+    prec = mem.Precision.for_dtype(2 if dtype == "bf16" else 4, flash)
+    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    layouts = _layouts(cfg, world, seq)
+    for lay in layouts:
+        mem.check_layout(hf_args, lay)
+    fused = arr.actor.logprob_impl == "fused"
+    roles, phases, resident = _memory(hf_args, layouts, prec, seq, fused)
+    reserve = RUNTIME_RESERVE if on_gpu else 0
+
+    actor = layouts[0]
+    lp_tokens = max(actor.micro_batch, *(lay.forward_micro_batch for lay in layouts if lay.role != "critic")) * seq
+    logprob = LogProbPlan(arr.actor.logprob_impl, lp_tokens,
+                          fused_bytes=mem.logprob_bytes(hf_args, actor.tp, lp_tokens, prec, True),
+                          naive_bytes=mem.logprob_bytes(hf_args, actor.tp, lp_tokens, prec, False))
+    rollout = _rollout(cfg, hf_args, spec, resident + reserve, world, seq)
+    step = _step_time(cfg, hf_args, layouts, rollout, spec, world, mfu) if spec.peak_flops else None
+    result = Plan(model=model_name or hf_args.model_type, params=mem.total_params(hf_args), device=spec, dtype=dtype,
+                  attention="flash (Transformer Engine)" if flash else "unfused (local spec)", world=world,
+                  sequence_len=seq, roles=roles, runtime_reserve=reserve, training_phases=phases, logprob=logprob,
+                  rollout=rollout, step=step)
+    if suggest and not result.fits:
+        from mppo.plan.knobs import suggestions  # knobs re-plans trial configs with this function
+
+        result.suggestions = suggestions(cfg, hf_args, result, device=device, device_memory_bytes=device_memory_bytes,
+                                         mfu=mfu)
+    return result
+
+
+def cpu_device(ranks_per_node: int) -> DeviceSpec:
+    """One CPU rank: this host's RAM split over the node's ranks; no FLOP or bandwidth figures."""
+    import os
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return DeviceSpec(f"CPU rank (host RAM / {ranks_per_node} ranks)", ram // max(1, ranks_per_node), None, None)
+
+
+def _rollout(cfg: MppoConfig, a: HFModelArgs, spec: DeviceSpec, resident: float, world: int, seq: int
+             ) -> RolloutPlan:
+    r = cfg.actor_rollout_ref.rollout
+    tp = r.tensor_model_parallel_size
+    engines = max(1, world // tp)
+    per_engine = math.ceil(cfg.data.train_batch_size * r.n / engines)
+    if r.name == "sglang":  # bf16 weights and KV; the pool fills the device up to the fraction
+        weights = mem.engine_weight_bytes(a, tp, 2)
+        kv_token = mem.kv_bytes_per_token(a, tp, 2)
+        kv = r.gpu_memory_utilization * (spec.memory_bytes - resident) - weights
+        fraction = r.gpu_memory_utilization
+    else:  # the CPU engine: fp32 weights, a KV cache only for the batch it generates
+        weights = mem.engine_weight_bytes(a, tp, 4)
+        kv_token = mem.kv_bytes_per_token(a, tp, 4)
+        kv = per_engine * seq * kv_token
+        fraction = (resident + weights + kv) / spec.memory_bytes
+    return RolloutPlan(r.name, tp, engines, fraction, resident, weights, kv, kv_token, seq, per_engine)
+
+
+def _step_time(cfg: MppoConfig, a: HFModelArgs, layouts: list[mem.RoleLayout], rollout: RolloutPlan,
+               spec: DeviceSpec, world: int, mfu: float) -> StepTime:
+    assert spec.peak_flops and spec.hbm_bytes_per_s
+    d, r = cfg.data, cfg.actor_rollout_ref.rollout
+    seq, samples = rollout.sequence_len, d.train_batch_size * r.n
+    tokens = samples * seq
+    cluster = world * spec.peak_flops * mfu
+    times = {"actor": 0.0, "critic": 0.0, "ref": 0.0, "update_actor": 0.0, "update_critic": 0.0}
+    for lay in layouts:
+        fwd_micro = samples / lay.dp / max(lay.forward_micro_batch, 1e-9)
+        times[lay.role] = forward_flops(a, lay.role, tokens, seq) / cluster * bubble(lay, fwd_micro)
+        if lay.trains:
+            epochs = (cfg.actor_rollout_ref.actor if lay.role == "actor" else cfg.critic).ppo_epochs
+            times[f"update_{lay.role}"] = (training_flops(a, lay, tokens, seq, epochs) / cluster
+                                           * bubble(lay, lay.micro_batches_per_step))
+    work = Workload(samples, d.max_prompt_length, d.max_response_length, world, rollout.engine_tp, rollout.weights,
+                    rollout.kv_bytes_per_token, max(rollout.kv_tokens, 0))
+    prefill, decode, waves = generation_time(a, work, spec.peak_flops, mfu, spec.hbm_bytes_per_s)
+    return StepTime(mfu=mfu, world=world, peak_flops=spec.peak_flops, hbm_bytes_per_s=spec.hbm_bytes_per_s,
+                    tokens=tokens, generation_s=prefill + decode, prefill_s=prefill, decode_s=decode,
+                    decode_waves=waves, old_log_prob_s=times["actor"], ref_s=times["ref"], values_s=times["critic"],
+                    update_critic_s=times["update_critic"], update_actor_s=times["update_actor"])

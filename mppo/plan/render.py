@@ -1,0 +1,157 @@
+"""A Plan as text for the terminal and as a Markdown snippet for the README (`mppo plan --markdown`)."""
+from __future__ import annotations
+
+import math
+
+from mppo.plan.catalog import GiB
+from mppo.plan.memory import RoleLayout
+from mppo.plan.planner import Plan, RolePlan
+
+MiB = 1 << 20
+PHASE_TEXT = {"update_actor": "actor update", "update_critic": "critic update", "old_log_prob": "old log-probs",
+              "ref": "reference log-probs", "values": "critic values"}
+SOURCES = ("Korthikanti et al. 2022 activation formulas (TP without sequence parallelism), megatron DDP with "
+           "fp32 main grads, Adam with fp32 master weights, SGLang KV sizing by mem_fraction_static")
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.1f}"
+
+
+def size(n: float) -> str:
+    return f"{n / MiB:.0f} MiB" if abs(n) < GiB else f"{n / GiB:.1f} GiB"
+
+
+def count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
+def seconds(s: float) -> str:
+    if not math.isfinite(s):
+        return "n/a"
+    return f"{s / 60:.1f} min" if s >= 600 else f"{s:.1f} s"
+
+
+def layout_text(lay: RoleLayout) -> str:
+    text = f"TP{lay.tp} PP{lay.pp}" + (f" VPP{lay.vpp}" if lay.vpp else "") + f" DP{lay.dp}"
+    return text + (" (offloaded)" if lay.offloaded else "")
+
+
+def _state_rows(r: RolePlan, dtype: str) -> list[tuple[str, str, float]]:
+    lay, s = r.layout, r.state
+    name = lay.role
+    if not lay.trains:
+        where = f"offloaded: {size(s.host_weights)} in host memory" if lay.offloaded else "frozen, no grads"
+        return [(f"{name} weights", f"{count(s.params)} params x {dtype}; {where}", s.weights)]
+    opt = (f"distributed over DP {lay.dp} (without: {size(s.optimizer_unsharded)})" if lay.distributed_optimizer
+           else f"not distributed (distributed over DP {lay.dp}: {size(s.optimizer_unsharded / lay.dp)})")
+    return [(f"{name} weights", f"{count(s.params)} params x {dtype}", s.weights),
+            (f"{name} gradients", "fp32 main grads (megatron DDP buffer)", s.grads),
+            (f"{name} optimizer", f"fp32 Adam m, v{'' if dtype == 'fp32' else ' + master'}; {opt}", s.optimizer)]
+
+
+def render_text(p: Plan) -> str:
+    roll, lines = p.rollout, []
+    add = lines.append
+    add(f"mppo plan{': ' + p.source if p.source else ''}")
+    unit = "GPU" if p.device.peak_flops else "rank"
+    add(f"model    {p.model}: {count(p.params)} params, {p.dtype} weights, {p.attention} attention")
+    add(f"device   {p.device.name}: {size(p.device.memory_bytes)} per {unit}; {p.world} {unit}s; sequences of "
+        f"{p.sequence_len} tokens (prompt + response maximum)")
+    add("layout   " + "; ".join(f"{r.layout.role} {layout_text(r.layout)}" for r in p.roles)
+        + f"; rollout: {roll.engines} {roll.engine} engine(s) of TP{roll.engine_tp}")
+    stage = p.roles[0].stage
+    add("")
+    add(f"memory per {unit} (pipeline stage {stage} of {p.roles[0].layout.pp}: the fullest)")
+    rows = [row for r in p.roles for row in _state_rows(r, p.dtype)]
+    if p.runtime_reserve:
+        rows.append(("runtime reserve", "CUDA context, NCCL buffers, fragmentation (rule of thumb)", p.runtime_reserve))
+    for name, note, value in rows:
+        add(f"  {name:<18} {size(value):>10}  {note}")
+    add(f"  {'resident':<18} {size(p.resident):>10}")
+    add("training phase (the engine has released its memory): working set on top of the resident state")
+    for r in p.roles:
+        if r.layout.trains:
+            lay = r.layout
+            add(f"  {r.layout.role} activations: micro-batch {lay.micro_batch:g} x {p.sequence_len} tokens, recompute "
+                f"{lay.recompute}: {size(r.activations_per_micro_batch)} per micro-batch, {size(r.activations_peak)} "
+                f"at the schedule's peak")
+    for phase, value in p.training_phases.items():
+        add(f"  {PHASE_TEXT[phase]:<20} {size(value):>10}")
+    lp = p.logprob
+    add(f"  log-prob working set ({lp.tokens:g} tokens): fused kernel {size(lp.fused_bytes)}, naive [tokens x vocab] "
+        f"logits {size(lp.naive_bytes)} (configured: {lp.impl})")
+    verdict = "fits" if p.fits_training else "DOES NOT FIT"
+    add(f"  peak ({PHASE_TEXT[p.peak_phase]}): {size(p.training_peak)} of {size(p.device.memory_bytes)}: {verdict}")
+    add(_rollout_text(p))
+    add("")
+    add(f"verdict: {'FITS' if p.fits else 'DOES NOT FIT'} on {p.device.name}")
+    for s in p.suggestions:
+        result = "fits" if s.fits else "still over"
+        add(f"  try {' '.join(s.overrides)}  ({s.why}): training peak {gib(s.training_peak)} GiB, KV "
+            f"{s.kv_tokens / 1e3:.0f}k tokens: {result}" + (f"; but: {s.problem}" if s.problem else ""))
+    if not p.fits and not p.suggestions:
+        add("  no single knob is enough: use more GPUs (trainer.nnodes) or a smaller model")
+    if p.step is not None:
+        add("")
+        add(_step_text(p))
+    add("")
+    add(f"based on: {SOURCES}")
+    return "\n".join(lines) + "\n"
+
+
+def _rollout_text(p: Plan) -> str:
+    r = p.rollout
+    if r.engine == "sglang":
+        free = p.device.memory_bytes - r.resident
+        head = (f"rollout phase (SGLang takes gpu_memory_utilization {r.gpu_memory_utilization:g} of the {gib(free)} "
+                f"GiB the training state leaves free = {gib(r.gpu_memory_utilization * free)} GiB)")
+    else:
+        head = f"rollout phase (CPU engine: {r.gpu_memory_utilization:.0%} of the rank's memory)"
+    kv = (f"{gib(r.kv_cache)} GiB = {r.kv_tokens / 1e3:.0f}k tokens = {r.concurrent_sequences} sequences at once"
+          if r.kv_cache > 0 else f"none ({gib(r.kv_cache)} GiB): the engine cannot start")
+    waves = math.ceil(r.sequences_per_engine / r.concurrent_sequences) if r.concurrent_sequences else 0
+    return (f"{head}\n  resident {gib(r.resident)} GiB + engine weights (TP{r.engine_tp}) {gib(r.weights)} GiB + "
+            f"KV cache {kv}\n  each engine generates {r.sequences_per_engine} sequences per step"
+            + (f" in {waves} wave(s)" if waves else "") + f": {'fits' if r.fits else 'DOES NOT FIT'}")
+
+
+def _step_text(p: Plan) -> str:
+    s = p.step
+    assert s is not None
+    parts = [("generation", s.generation_s), ("old log-probs", s.old_log_prob_s), ("ref", s.ref_s),
+             ("values", s.values_s), ("critic update", s.update_critic_s), ("actor update", s.update_actor_s)]
+    body = ", ".join(f"{name} {seconds(t)}" for name, t in parts if t)
+    return (f"step time (MFU {s.mfu:g} of {s.peak_flops / 1e12:.0f} TFLOP/s, HBM {s.hbm_bytes_per_s / 1e12:.2f} TB/s, "
+            f"maximum lengths): {seconds(s.total_s)}\n  {body}\n  generation = prefill {seconds(s.prefill_s)} + "
+            f"decode {seconds(s.decode_s)} ({s.decode_waves} wave(s)); {s.tokens} tokens per step, "
+            f"{s.tokens_per_s_per_gpu:.0f} tokens/s per GPU; weight sync and the optimizer step not included")
+
+
+# ------------------------------------------------------------------------------------------------------ markdown
+def render_markdown(plans: list[Plan]) -> str:
+    """A README snippet: one summary table over the plans, then the per-GPU breakdown of each."""
+    out = ["| recipe | model | GPUs | actor layout | resident | training peak | rollout KV cache | fits | step time |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for p in plans:
+        r = p.rollout
+        kv = f"{gib(r.kv_cache)} GiB ({r.concurrent_sequences} seqs)" if r.kv_cache > 0 else "none"
+        out.append(f"| `{p.source}` | {p.model} | {p.world} x {p.device.name} | {layout_text(p.roles[0].layout)} | "
+                   f"{gib(p.resident)} GiB | {gib(p.training_peak)} GiB ({PHASE_TEXT[p.peak_phase]}) | {kv} | "
+                   f"{'yes' if p.fits else '**no**'} | {seconds(p.step.total_s) if p.step else 'n/a'} |")
+    for p in plans:
+        out += ["", f"**`{p.source}`** ({p.model}, {p.dtype}, {p.device.name}, pipeline stage {p.roles[0].stage}):", "",
+                "| per GPU | GiB | |", "|---|---:|---|"]
+        rows = [row for r in p.roles for row in _state_rows(r, p.dtype)]
+        if p.runtime_reserve:
+            rows.append(("runtime reserve", "CUDA context, NCCL, fragmentation", p.runtime_reserve))
+        rows += [(f"{PHASE_TEXT[k]} working set", "training phase", v) for k, v in p.training_phases.items()]
+        rows += [("engine weights", f"rollout phase, TP{p.rollout.engine_tp}", p.rollout.weights),
+                 ("engine KV cache", f"rollout phase, {p.rollout.kv_tokens / 1e3:.0f}k tokens", p.rollout.kv_cache)]
+        out += [f"| {name} | {gib(value)} | {note} |" for name, note, value in rows]
+        for s in p.suggestions[:3]:
+            out.append(f"\nTo fit: `{' '.join(s.overrides)}` ({s.why}): training peak {gib(s.training_peak)} GiB"
+                       + (", fits." if s.fits else ", still over.") + (f" Also: {s.problem}" if s.problem else ""))
+    out += ["", f"Generated by `mppo plan ... --markdown`; {SOURCES}; MFU "
+            f"{plans[0].step.mfu if plans and plans[0].step else 0.4:g}, maximum lengths."]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,323 @@
+"""`mppo plan`: parameter counts against public numbers and HF transformers, model-state bytes against what
+megatron-core actually allocates (a CPU run), activation memory against Korthikanti et al. 2022's closed form,
+KV cache and FLOPs against hand computations, every recipe in configs/, the CLI, and bench/PLANS.md freshness.
+
+Run as a script (`python tests/test_plan.py MEASURE`), this file is also the child process of the megatron check:
+it builds tiny models with mppo's builders and optimizer and prints the bytes they allocate as JSON.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+GiB = 1 << 30
+TINY = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": False}
+# (role, dtype, distributed optimizer, tie_word_embeddings) measured in one megatron process
+MEASURED_CASES = [("actor", "fp32", False, False), ("actor", "bf16", True, True), ("critic", "bf16", False, False),
+                  ("actor", "bf16", False, False)]
+
+
+# -------------------------------------------------------------------------------- the megatron child process
+def _measure() -> None:
+    import torch
+
+    from mppo.config.schema import OptimConfig
+    from mppo.models.builders import build_gpt_model
+    from mppo.models.hf_config import read_hf_config
+    from mppo.parallel import destroy, init_distributed
+    from mppo.workers.optim import build_optimizer, wrap_with_ddp
+
+    dims = init_distributed(1, 1)
+    results = []
+    for role, dtype_name, distributed, tie in MEASURED_CASES:
+        dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
+        args = read_hf_config({**TINY, "tie_word_embeddings": tie})
+        chunks = build_gpt_model(args, dims, role=role, dtype=dtype)
+        ddp = wrap_with_ddp(chunks, use_distributed_optimizer=distributed)
+        optimizer = build_optimizer(ddp, OptimConfig(lr=1e-3), use_distributed_optimizer=distributed, dtype=dtype)
+        for chunk in ddp:  # a step creates Adam's lazily allocated moments
+            for p in chunk.parameters():
+                p.main_grad.fill_(1e-3)
+        optimizer.step()
+        params = {id(p): p for chunk in chunks for p in chunk.parameters()}
+        model_storages = {p.untyped_storage().data_ptr() for p in params.values()}
+        grads = [buf.grad_data for chunk in ddp for buf in chunk.buffers + chunk.expert_parallel_buffers]
+        model_storages |= {g.untyped_storage().data_ptr() for g in grads}
+        model_storages |= {buf.param_data.untyped_storage().data_ptr() for chunk in ddp for buf in chunk.buffers
+                           if buf.param_data is not None}
+        opt_bytes, seen = 0, set()
+        torch_optimizers = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+        for opt in torch_optimizers:
+            tensors = [p for g in opt.param_groups for p in g["params"]
+                       if p.untyped_storage().data_ptr() not in model_storages]  # fp32 master copies
+            tensors += [t for state in opt.state.values() for t in state.values() if torch.is_tensor(t)]
+            for t in tensors:
+                key = (t.data_ptr(), t.numel())
+                if key not in seen and t.numel() > 1:  # scalar `step` counters are not optimizer state
+                    seen.add(key)
+                    opt_bytes += t.numel() * t.element_size()
+        results.append({"role": role, "dtype": dtype_name, "distributed": distributed, "tie": tie,
+                        "params": sum(p.numel() for p in params.values()),
+                        "param_bytes": sum(p.numel() * p.element_size() for p in params.values()),
+                        "grad_bytes": sum(g.numel() * g.element_size() for g in grads),
+                        "optimizer_bytes": opt_bytes})
+    destroy(process_group=True)
+    print("RESULT " + json.dumps(results))
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+def _layout(role="actor", tp=1, pp=1, vpp=None, dp=1, distributed=False, recompute="none", micro=1.0, m=1):
+    from mppo.plan.memory import RoleLayout
+
+    return RoleLayout(role=role, tp=tp, pp=pp, vpp=vpp, dp=dp, distributed_optimizer=distributed,
+                      recompute=recompute, micro_batch=micro, forward_micro_batch=micro, micro_batches_per_step=m,
+                      trains=role != "ref", offloaded=False)
+
+
+def _run_plan(capsys, *argv: str) -> tuple[int, str, str]:
+    """`mppo plan ARGV` through the real CLI dispatch, in this process: (exit code, stdout, stderr)."""
+    from mppo.cli import main
+
+    capsys.readouterr()
+    code = main(["plan", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ------------------------------------------------------------------------------------------ parameter counts
+def test_builtin_param_counts_match_public_numbers():
+    """Model-card parameter counts (Qwen2.5 cards, Meta's Llama 3 card): within 1%."""
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan.catalog import known_config
+    from mppo.plan.memory import total_params
+
+    public = {"Qwen2.5-0.5B": 0.49e9, "Qwen2.5-1.5B": 1.54e9, "Qwen2.5-3B": 3.09e9, "Qwen2.5-7B": 7.61e9,
+              "Qwen2.5-32B": 32.76e9, "Llama-3-8B": 8.03e9}
+    for name, count in public.items():
+        got = total_params(read_hf_config(known_config(name)[1]))
+        assert abs(got - count) / count < 0.01, (name, got, count)
+    # the exact figure another public tool computes for Qwen2.5-32B's config
+    assert total_params(read_hf_config(known_config("Qwen/Qwen2.5-32B-Instruct")[1])) == 32_763_876_352
+
+
+def test_param_counts_match_transformers():
+    """HF transformers' own modules (built on the meta device) have exactly the planner's count."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan.catalog import known_config
+    from mppo.plan.memory import total_params
+
+    for name in ("Qwen2.5-0.5B", "Llama-3-8B"):
+        raw = known_config(name)[1]
+        hf = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items()
+                                                         if k not in ("model_type", "torch_dtype")})
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf)
+        assert sum(p.numel() for p in model.parameters()) == total_params(read_hf_config(raw)), name
+
+
+def test_model_state_bytes_match_megatron_allocations():
+    """Weights, fp32 grad buffer and Adam state (+ fp32 master) as allocated by megatron-core through mppo's
+    builders and optimizer on CPU (TP1, one process) are within 10% of the planner's bytes."""
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan.memory import Precision, model_state
+
+    proc = subprocess.run([sys.executable, str(Path(__file__)), "MEASURE"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-5000:]
+    measured = json.loads(line[0][len("RESULT "):])
+    assert len(measured) == len(MEASURED_CASES)
+    for m in measured:
+        args = read_hf_config({**TINY, "tie_word_embeddings": m["tie"]})
+        prec = Precision.for_dtype(4 if m["dtype"] == "fp32" else 2, flash_attention=False)
+        state = model_state(args, _layout(m["role"], distributed=m["distributed"]), prec, stage=0)
+        for planned, actual in ((state.weights, m["param_bytes"]), (state.grads, m["grad_bytes"]),
+                                (state.optimizer, m["optimizer_bytes"])):
+            assert abs(planned - actual) <= 0.1 * actual, (m, state)
+        assert state.params == m["params"], (m, state)  # the count itself is exact
+
+
+# ---------------------------------------------------------------------------------------------- activations
+def test_activations_equal_korthikanti_closed_form():
+    """With MHA, a SwiGLU width F = 8h/3 (so 3F = the paper's 4h + 4h) and unfused attention, the itemised
+    formula is the paper's s·b·h·(10 + 24/t + 5as/(ht)) minus what dropout 0 removes: the two 1-byte masks per
+    token (2sbh) and, of the 5as²b/t, the score mask (as²b/t) and the dropout output (2as²b/t)."""
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan.memory import Precision, layer_activation_bytes
+
+    h, a, s, b = 768, 12, 1024, 2
+    args = read_hf_config({"model_type": "llama", "hidden_size": h, "intermediate_size": 8 * h // 3,
+                           "num_hidden_layers": 2, "num_attention_heads": a, "num_key_value_heads": a,
+                           "vocab_size": 1000})
+    prec = Precision.for_dtype(2, flash_attention=False)
+    for t in (1, 2, 4):
+        paper_none = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        paper_selective = s * b * h * (10 + 24 / t)
+        dropout = 2 * s * b * h
+        assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "none"),
+                            paper_none - dropout - 3 * a * s * s * b / t)
+        assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "selective"), paper_selective - dropout)
+        assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "full"), 2 * s * b * h)
+
+
+def test_pipeline_in_flight_matches_paper_factor():
+    """1F1B: stage 0 holds p micro-batches of L/p layers = L layers; interleaved: L·(1 + (p-1)/(p·v))."""
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan.memory import layers_in_flight
+
+    args = read_hf_config({**TINY, "num_hidden_layers": 64})
+    assert layers_in_flight(args, _layout(pp=4, m=100), 0) == 64
+    assert layers_in_flight(args, _layout(pp=4, m=100), 3) == 16
+    assert layers_in_flight(args, _layout(pp=4, m=2), 0) == 32  # only 2 micro-batches to keep in flight
+    assert layers_in_flight(args, _layout(pp=4, vpp=2, m=100), 0) == 64 * (1 + 3 / 8)
+    assert layers_in_flight(args, _layout(pp=1, m=100), 0) == 64
+
+
+def test_logprob_working_sets():
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan.catalog import known_config
+    from mppo.plan.memory import Precision, logprob_bytes
+
+    args = read_hf_config(known_config("Qwen2.5-7B")[1])
+    prec = Precision.for_dtype(2, flash_attention=True)
+    tokens = 4 * 2048
+    naive = logprob_bytes(args, 2, tokens, prec, fused=False)
+    assert naive == tokens * (152064 // 2) * (2 + 3 * 4)  # bf16 logits + 3 fp32 copies of [tokens x V/2]
+    fused = logprob_bytes(args, 2, tokens, prec, fused=True)
+    assert fused == 3 * (1 << 22) * 4 + tokens * 16 and fused < naive / 100
+
+
+def test_kv_cache_and_flops_by_hand():
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan.catalog import known_config
+    from mppo.plan.memory import kv_bytes_per_token
+    from mppo.plan.timing import training_flops
+
+    q7 = read_hf_config(known_config("Qwen2.5-7B")[1])
+    assert kv_bytes_per_token(q7, 2, 2) == 2 * 28 * (4 // 2) * 128 * 2  # K+V x layers x heads/GPU x dim x bf16
+    assert kv_bytes_per_token(q7, 8, 2) == 2 * 28 * 1 * 128 * 2  # 4 KV heads over 8 GPUs: replicated, 1 each
+    # 6·N·T with N = the layers' matmul params (biases included) + the output layer, plus causal attention
+    # 6·L·a·d·s per token (fwd: QKᵀ and AV at mean context s/2, 2 FLOPs per MAC)
+    tokens, seq = 1000, 100
+    h, kv, f = 3584, 512, 18944
+    n = 28 * (2 * h * h + 2 * h * kv + h + 2 * kv + 3 * h * f + 2 * h) + 152064 * h
+    expected = 6 * n * tokens + 6 * 28 * 28 * 128 * seq * tokens
+    assert math.isclose(training_flops(q7, _layout(), tokens, seq, epochs=1), expected, rel_tol=1e-9)
+    assert math.isclose(training_flops(q7, _layout(recompute="full"), tokens, seq, epochs=2), 2 * expected * 4 / 3)
+
+
+# ------------------------------------------------------------------------------------------------- recipes
+def _recipe_plans(tmp_path: Path, monkeypatch) -> dict:
+    """Every config in configs/ planned (the GPU recipes on their built-in model configs)."""
+    from mppo.config import load_config
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan import known_config, plan
+
+    run_dir = tmp_path / "demo"
+    (run_dir / "model").mkdir(parents=True)
+    (run_dir / "model" / "config.json").write_text(json.dumps(TINY))
+    monkeypatch.setenv("RUN_DIR", str(run_dir))  # configs/demo_cpu.yaml reads its model from $RUN_DIR/model
+    plans = {}
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        cfg = load_config(str(path))
+        if path.name == "demo_cpu.yaml":
+            plans[path.name] = plan(cfg, read_hf_config(run_dir / "model"), device="cpu")
+        elif path.name == "ppo_trainer.yaml":
+            plans[path.name] = plan(cfg, read_hf_config(known_config("Qwen2.5-0.5B")[1]))
+        else:
+            plans[path.name] = plan(cfg, read_hf_config(known_config(cfg.actor_rollout_ref.model.path)[1]))
+    return plans
+
+
+def test_every_recipe_plans_with_sensible_numbers(tmp_path, monkeypatch):
+    plans = _recipe_plans(tmp_path, monkeypatch)
+    assert set(plans) == {p.name for p in (REPO / "configs").glob("*.yaml")}
+    for name, p in plans.items():
+        assert p.training_peak > p.resident > 0, name
+        assert p.step is None or 0 < p.step.total_s < 3600, name
+    big = plans["qwen2.5_32b_4node.yaml"]
+    actor = big.roles[0]
+    assert (actor.layout.tp, actor.layout.pp, actor.layout.vpp, actor.layout.dp) == (8, 4, 2, 1)
+    assert abs(actor.state.weights - 32.8e9 * 2 / 32) < 0.1 * 32.8e9 * 2 / 32  # bf16 weights over 32 GPUs
+    assert actor.state.grads == 2 * actor.state.weights and actor.state.optimizer == 6 * actor.state.weights
+    ref = next(r for r in big.roles if r.layout.role == "ref")
+    assert ref.state.weights == 0 and ref.state.host_weights == actor.state.weights  # offload_to_cpu: true
+    assert big.fits  # H100
+    small = plans["countdown_qwen2.5_3b_ppo.yaml"]
+    assert [r.layout.role for r in small.roles] == ["actor", "critic", "ref"]
+    assert abs(small.roles[0].state.weights - 3.09e9 * 2 / 2) < 0.05 * 3.09e9
+    gsm = plans["gsm8k_qwen2.5_7b_grpo.yaml"]
+    actor7 = gsm.roles[0]
+    assert actor7.layout.dp == 4 and actor7.state.optimizer == math.ceil(actor7.state.optimizer_unsharded / 4)
+    demo = plans["demo_cpu.yaml"]
+    assert demo.dtype == "fp32" and demo.step is None and demo.fits
+
+
+def test_suggestions_make_an_oversized_config_fit():
+    from mppo.config import load_config
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan import known_config, plan
+
+    cfg = load_config(str(REPO / "configs/gsm8k_qwen2.5_7b_grpo.yaml"),
+                      ["actor_rollout_ref.actor.megatron.use_distributed_optimizer=false",
+                       "actor_rollout_ref.actor.megatron.recompute=none"])
+    args = read_hf_config(known_config("Qwen2.5-7B")[1])
+    p = plan(cfg, args)
+    assert not p.fits_training
+    knobs = {o for s in p.suggestions for o in s.overrides}
+    assert "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true" in knobs
+    best = p.suggestions[0]
+    assert best.fits and best.problem is None
+    applied = load_config(str(REPO / "configs/gsm8k_qwen2.5_7b_grpo.yaml"),
+                          ["actor_rollout_ref.actor.megatron.use_distributed_optimizer=false",
+                           "actor_rollout_ref.actor.megatron.recompute=none", *best.overrides])
+    assert plan(applied, args).fits
+
+
+# ------------------------------------------------------------------------------------------------------- CLI
+def test_cli_text_json_and_errors(capsys):
+    recipe = str(REPO / "configs/qwen2.5_32b_4node.yaml")
+    code, out, err = _run_plan(capsys, recipe, "--hf-config", "auto")
+    assert code == 0, err
+    assert "verdict: FITS on H100" in out and "actor optimizer" in out and "step time" in out
+    code, out, _ = _run_plan(capsys, recipe, "--hf-config", "Qwen2.5-32B", "--device", "h200", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["fits"] and data["device"]["name"].startswith("H200") and data["step"]["total_s"] > 0
+    code, out, _ = _run_plan(capsys, recipe, "--hf-config", "auto", "--device-memory", "16")
+    assert code == 1 and "DOES NOT FIT" in out and "try " in out
+    code, _, err = _run_plan(capsys, recipe)  # models/Qwen2.5-32B-Instruct is not downloaded here
+    assert code == 2 and "--hf-config" in err and "config.json" in err
+    code, _, err = _run_plan(capsys, recipe, "--hf-config", "Qwen9-1T")
+    assert code == 2 and "Qwen2.5-7B" in err  # lists the built-in names
+    code, _, err = _run_plan(capsys, recipe, "--hf-config", "auto", "trainer.n_gpus_per_node=16",
+                             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=16",
+                             "actor_rollout_ref.rollout.tensor_model_parallel_size=16")
+    assert code == 2 and "key/value heads" in err
+    code, _, err = _run_plan(capsys, recipe, "--hf-config", "auto", "--mfu", "2")
+    assert code == 2 and "--mfu" in err
+
+
+def test_plans_md_is_up_to_date(tmp_path, capsys, monkeypatch):
+    """bench/PLANS.md is what `mppo plan <GPU recipes> --hf-config auto --markdown` prints today."""
+    recipes = ["configs/countdown_qwen2.5_3b_ppo.yaml", "configs/gsm8k_qwen2.5_7b_grpo.yaml",
+               "configs/qwen2.5_32b_4node.yaml"]
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "PLANS.md"
+    code, _, err = _run_plan(capsys, *recipes, "--hf-config", "auto", "--markdown", "--out", str(out))
+    assert code == 0, err
+    assert out.read_text() == (REPO / "bench" / "PLANS.md").read_text(), (
+        "bench/PLANS.md is stale: regenerate it with `mppo plan " + " ".join(recipes)
+        + " --hf-config auto --markdown --out bench/PLANS.md`")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["MEASURE"]:
+    _measure()
