@@ -1,0 +1,166 @@
+"""The actor: the policy as megatron-core GPTModel chunks (DDP-wrapped), its optimizer and LR schedule.
+
+- `compute_log_prob`: forward-only per-token log-probs (and entropy) of the response tokens.
+- `update`: `ppo_epochs` x mini-batches x micro-batches of PPO through the pipeline schedule, one optimizer
+  step per mini-batch. loss = pg_loss - entropy_coeff * entropy + kl_loss_coef * kl_loss (use_kl_loss), each
+  aggregated with `actor.loss_agg_mode` over the GLOBAL mini-batch (`GlobalBatchInfo`: DP size, valid tokens and
+  non-empty sequences summed over DP). A micro-batch loss is then its share of the global loss times dp;
+  run_pipeline undoes the schedule's division by the number of micro-batches and DDP averages over DP, so the
+  gradient is that of the global mini-batch loss however the batch is split.
+- `export_hf_weights`: HF-named full tensors in buckets (rollout weight sync and HF checkpoints).
+
+Policy losses that pick tokens inside what they are given (clip_cov, kl_cov) pick them per micro-batch, as
+veRL does; geo_mean's row mean is rescaled to the global mini-batch (ROW_MEAN_LOSSES).
+
+Metrics are global, so they do not depend on how the batch is split: loss terms are the global mini-batch values;
+`pg_clipfrac`, `ppo_kl`, `pg_clipfrac_lower` are token-weighted over the mini-batch (the global masked mean,
+where veRL averages per-micro-batch means); all are averaged over the optimizer steps of the update.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from mppo.config.schema import ActorConfig, ModelConfig
+from mppo.core_algos import (AGG_LOSS_MODES, KL_PENALTY_TYPES, PolicyLossParams, agg_loss, get_policy_loss_fn,
+                              kl_penalty)
+from mppo.models.weights import bucketed, iter_hf_weights
+from mppo.parallel import ParallelDims
+from mppo.workers.base import StepMetrics, build_role_model, mean_metrics, response_forward_step
+from mppo.workers.batching import Batch, validate_batch
+from mppo.workers.logprob import compute_response_logprobs, make_logprob_fn, response_logprobs
+from mppo.workers.optim import build_lr_scheduler, build_optimizer, current_lr, wrap_with_ddp
+from mppo.workers.training import TrainLoop
+
+# Policy losses that average over ALL rows of what they are given and ignore GlobalBatchInfo (veRL quirk):
+# their micro-batch row mean is rescaled to its share of the global mini-batch's row mean.
+ROW_MEAN_LOSSES = ("geo_mean",)
+ACTOR_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/pg_clipfrac", "actor/ppo_kl",
+                 "actor/pg_clipfrac_lower")
+
+
+def policy_loss_params(cfg: ActorConfig) -> PolicyLossParams:
+    """The policy-loss knobs of an ActorConfig."""
+    pl = cfg.policy_loss
+    return PolicyLossParams(
+        clip_ratio=cfg.clip_ratio, clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+        clip_ratio_c=cfg.clip_ratio_c, tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg, clip_cov_ratio=pl.clip_cov_ratio,
+        clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub, kl_cov_ratio=pl.kl_cov_ratio,
+        ppo_kl_coef=pl.ppo_kl_coef, dro_beta=pl.dro_beta)
+
+
+class ActorWorker:
+    """The trainable policy on this rank's TP/PP/DP shard. All methods are collective over every rank."""
+
+    def __init__(self, model_cfg: ModelConfig, actor_cfg: ActorConfig, dims: ParallelDims, hf_dir: str | Path, *,
+                 total_steps: int, rollout_n: int = 1):
+        if actor_cfg.loss_agg_mode not in AGG_LOSS_MODES:
+            raise ValueError(f"actor.loss_agg_mode must be one of {AGG_LOSS_MODES}, got {actor_cfg.loss_agg_mode!r}")
+        if actor_cfg.use_kl_loss and actor_cfg.kl_loss_type not in KL_PENALTY_TYPES:
+            raise ValueError(f"actor.kl_loss_type must be one of {KL_PENALTY_TYPES}, got {actor_cfg.kl_loss_type!r}")
+        self.cfg, self.dims = actor_cfg, dims
+        self.policy_loss_fn = get_policy_loss_fn(actor_cfg.policy_loss.loss_mode)
+        self.policy_params = policy_loss_params(actor_cfg)
+        self.logprob_fn = make_logprob_fn(actor_cfg.logprob_impl, actor_cfg.kernel_backend)
+        self.hf_args, chunks, self.dtype = build_role_model(hf_dir, dims, role="actor", model_cfg=model_cfg,
+                                                            megatron=actor_cfg.megatron)
+        use_dist_opt = bool(actor_cfg.megatron.use_distributed_optimizer)
+        self.model = wrap_with_ddp(chunks, use_distributed_optimizer=use_dist_opt)
+        self.optimizer = build_optimizer(self.model, actor_cfg.optim, use_distributed_optimizer=use_dist_opt,
+                                         dtype=self.dtype)
+        self.scheduler = build_lr_scheduler(self.optimizer, actor_cfg.optim, total_steps)
+        self.loop = TrainLoop(self.model, self.optimizer, dims, role="actor",
+                              mini_batch_size=actor_cfg.ppo_mini_batch_size * rollout_n,
+                              micro_batch_size=actor_cfg.ppo_micro_batch_size_per_gpu,
+                              use_dynamic_bsz=actor_cfg.use_dynamic_bsz,
+                              max_token_len=actor_cfg.ppo_max_token_len_per_gpu,
+                              epochs=actor_cfg.ppo_epochs, shuffle=actor_cfg.shuffle,
+                              seed=actor_cfg.megatron.seed or 0)
+
+    # ------------------------------------------------------------------------------------------ inference
+    def compute_log_prob(self, batch: Batch, *, temperature: float, micro_batch_size: int | None = None,
+                         max_token_len: int | None = None,
+                         calculate_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log_probs [B, T] fp32, entropy [B, T] or None) of the response tokens, on every rank; 0 where the
+        response is padding. Micro-batches by count or token budget (default: the actor's update settings)."""
+        validate_batch(batch)
+        batch = self.loop.to_device(batch)
+        micro_batch_size, max_token_len = self.loop.micro_batching(micro_batch_size, max_token_len)
+        with torch.no_grad():
+            return compute_response_logprobs(self.model, batch, self.logprob_fn, vocab_size=self.hf_args.vocab_size,
+                                             temperature=temperature, micro_batch_size=micro_batch_size,
+                                             max_token_len=max_token_len, calculate_entropy=calculate_entropy)
+
+    # ------------------------------------------------------------------------------------------ training
+    def update(self, batch: Batch, *, temperature: float) -> dict[str, float | bool]:
+        """PPO update on this DP rank's shard of the step's batch; returns global metrics (same on every rank).
+
+        Needs old_log_probs and advantages (and ref_log_prob with use_kl_loss). A mini-batch whose loss or
+        gradients are not finite is not applied (`skipped` is then True). Steps the LR schedule once.
+        """
+        required = ["old_log_probs", "advantages"] + (["ref_log_prob"] if self.cfg.use_kl_loss else [])
+        validate_batch(batch, required)
+        batch = self.loop.to_device(batch)
+        lr = current_lr(self.optimizer)
+        steps, grad_norms, skipped = [], [], 0
+        for micro_batches, info in self.loop.mini_batches(batch, self.scheduler.num_steps):
+            metrics = StepMetrics(ACTOR_METRICS)
+            step = response_forward_step(
+                lambda model, data: self._loss_fn(model, data, temperature, info, metrics), hidden_only=True)
+            result = self.loop.step(micro_batches, step, metrics, info)
+            steps.append(result.metrics)
+            if result.skipped:
+                skipped += 1
+            else:
+                grad_norms.append(result.grad_norm)
+        self.scheduler.step(1)
+        out: dict[str, float | bool] = dict(mean_metrics(steps))
+        out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
+        out["actor/lr"] = lr
+        out["actor/skipped_optimizer_steps"] = skipped
+        out["skipped"] = skipped > 0
+        return out
+
+    def _loss_fn(self, model, data, temperature, info, metrics: StepMetrics):
+        cfg, dp = self.cfg, info.dp_size
+
+        def loss_fn(hidden: torch.Tensor):
+            log_prob, entropy = response_logprobs(model, hidden, data, self.logprob_fn, temperature=temperature,
+                                                  vocab_size=self.hf_args.vocab_size, compute_entropy=True)
+            mask = data["response_mask"]
+            pg_loss, pg_metrics = self.policy_loss_fn(
+                data["old_log_probs"], log_prob, data["advantages"], mask, cfg.loss_agg_mode,
+                config=self.policy_params, rollout_is_weights=data.get("rollout_is_weights"), batch_info=info)
+            if cfg.policy_loss.loss_mode in ROW_MEAN_LOSSES:
+                # (rows here / global rows) x dp, with global rows = local mini-batch rows x dp
+                pg_loss = pg_loss * (mask.shape[0] / self.loop.local_mini_batch_size)
+            entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, **info.as_kwargs())
+            loss = pg_loss
+            if cfg.entropy_coeff != 0:
+                loss = loss - cfg.entropy_coeff * entropy_loss
+            if cfg.use_kl_loss:
+                kld = kl_penalty(log_prob, data["ref_log_prob"], cfg.kl_loss_type)
+                kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, **info.as_kwargs())
+                loss = loss + cfg.kl_loss_coef * kl_loss
+                metrics.add("actor/kl_loss", kl_loss.item() / dp)
+            # each micro-batch loss is (its share of the global value) x dp: / dp sums to the global value
+            metrics.add("actor/pg_loss", pg_loss.item() / dp)
+            metrics.add("actor/entropy", entropy_loss.item() / dp)
+            token_share = float(mask.sum()) / info.batch_num_tokens
+            for key, value in pg_metrics.items():
+                if key in ACTOR_METRICS:
+                    metrics.add(key, float(value) * token_share)
+            if not bool(torch.isfinite(loss)):
+                metrics.loss_nonfinite = 1.0
+            return loss, {}
+
+        return loss_fn
+
+    # ------------------------------------------------------------------------------------------ weights
+    def export_hf_weights(self, bucket_bytes: int, *,
+                          dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Buckets of (HF name, full tensor) on every rank (collective: every rank must consume all of it)."""
+        return bucketed(iter_hf_weights(self.model, self.hf_args, dtype=dtype), bucket_bytes)

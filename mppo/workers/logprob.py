@@ -1,0 +1,123 @@
+"""Per-token log-probs (and entropy) of the response tokens, for the actor and the reference policy.
+
+Two implementations of hidden states -> log p(token), selected by `actor.logprob_impl`:
+- "fused": `mppo.kernels.fused_linear_logprob_entropy`, which never holds the [tokens x vocab] logits
+  (backend from `actor.kernel_backend`);
+- "naive": megatron's vocab-parallel cross entropy on full fp32 logits
+  (`mppo.workers.pipeline.vocab_parallel_logprob_entropy`).
+Both run only on the valid response positions, with logits divided by the temperature (as the rollout does).
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from mppo.workers.base import output_weight, response_forward_step, response_rows
+from mppo.workers.batching import Batch, MicroBatch, make_micro_batches, pad_to_uniform, scatter_rows
+from mppo.workers.pipeline import needs_uniform_shapes, run_pipeline, vocab_parallel_logprob_entropy
+
+# (hidden [N, h], weight shard [V_local, h], labels [N], temperature, valid vocab, compute_entropy)
+#   -> (log_probs [N] fp32, entropy [N] fp32 or None)
+TokenLogProbFn = Callable[..., tuple[torch.Tensor, "torch.Tensor | None"]]
+LOGPROB_IMPLS = ("fused", "naive")
+
+
+def make_logprob_fn(impl: str, kernel_backend: str = "auto") -> TokenLogProbFn:
+    """The hidden -> (log-prob, entropy) function for `actor.logprob_impl`."""
+    from megatron.core import parallel_state as ps
+
+    if impl == "naive":
+        def naive(hidden, weight, labels, *, temperature, valid_vocab_size, compute_entropy):
+            log_probs, entropy = vocab_parallel_logprob_entropy(
+                hidden, weight, labels, temperature=temperature, valid_vocab_size=valid_vocab_size)
+            return log_probs, (entropy if compute_entropy else None)
+        return naive
+    if impl == "fused":
+        try:
+            from mppo.kernels import fused_linear_logprob_entropy
+        except ImportError as err:
+            raise ImportError(f"actor.logprob_impl='fused' needs mppo.kernels, which does not import ({err}); "
+                              "reinstall mppo (pip install -e .) or set actor.logprob_impl=naive") from err
+
+        def fused(hidden, weight, labels, *, temperature, valid_vocab_size, compute_entropy):
+            return fused_linear_logprob_entropy(
+                hidden, weight, labels, temperature=temperature, tp_group=ps.get_tensor_model_parallel_group(),
+                valid_vocab_size=valid_vocab_size, compute_entropy=compute_entropy, backend=kernel_backend)
+        return fused
+    raise ValueError(f"actor.logprob_impl must be one of {LOGPROB_IMPLS}, got {impl!r}")
+
+
+def response_logprobs(model: nn.Module, hidden: torch.Tensor, data: Batch, logprob_fn: TokenLogProbFn, *,
+                      temperature: float, vocab_size: int,
+                      compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(response token) [b, T] fp32 (and entropy [b, T]) from a last stage's hidden states [s, b, h];
+    0 at response positions that are not attended (padding)."""
+    valid = data["response_valid"]
+    if not bool(valid.any()):
+        # no response token here (e.g. one row with an empty response): zeros, still attached to the hidden
+        # states so that the pipeline's backward has a gradient to pass on
+        zeros = torch.zeros(valid.shape, dtype=torch.float32, device=hidden.device) + hidden.sum() * 0.0
+        return zeros, (zeros if compute_entropy else None)
+    selected = response_rows(hidden, data, valid_only=True)  # [N, h], N = valid response tokens
+    labels = data["responses"][valid]
+    log_probs, entropy = logprob_fn(selected, output_weight(model), labels, temperature=temperature,
+                                    valid_vocab_size=vocab_size, compute_entropy=compute_entropy)
+
+    def to_grid(values: torch.Tensor) -> torch.Tensor:
+        # masked_scatter keeps autograd through `values`; positions outside `valid` stay 0
+        return torch.zeros(valid.shape, dtype=torch.float32, device=values.device).masked_scatter(
+            valid, values.float())
+
+    return to_grid(log_probs), (to_grid(entropy) if entropy is not None else None)
+
+
+def micro_batches_for(batch: Batch, rows: torch.Tensor, model_chunks: Sequence[nn.Module], *,
+                      micro_batch_size: int | None, max_token_len: int | None) -> list[MicroBatch]:
+    """Micro-batches of `rows`, a multiple of PP of them for the interleaved schedule."""
+    vpp = len(model_chunks) > 1
+    pp = model_chunks[0].config.pipeline_model_parallel_size
+    return make_micro_batches(batch, rows, micro_batch_size=micro_batch_size, max_token_len=max_token_len,
+                              multiple_of=pp if vpp else 1)
+
+
+def pipeline_inputs(model_chunks: Sequence[nn.Module], micro_batches: Sequence[MicroBatch]) -> list[Batch]:
+    """Micro-batch data as the schedule takes it (one shape for the interleaved schedule)."""
+    if needs_uniform_shapes(model_chunks):
+        return pad_to_uniform(micro_batches)
+    return [mb.data for mb in micro_batches]
+
+
+def run_forward_only(model_chunks: Sequence[nn.Module], micro_batches: Sequence[MicroBatch], step,
+                     num_rows: int) -> dict[str, torch.Tensor]:
+    """Forward-only pipeline over micro-batches; every [b, T] output reassembled in batch row order on every
+    rank."""
+    outs = run_pipeline(model_chunks, pipeline_inputs(model_chunks, micro_batches), step, forward_only=True)
+    keys = outs[0].keys()
+    return {k: scatter_rows([(mb.rows, o[k][:len(mb.rows)]) for mb, o in zip(micro_batches, outs)], num_rows)
+            for k in keys}
+
+
+def compute_response_logprobs(model_chunks: Sequence[nn.Module], batch: Batch, logprob_fn: TokenLogProbFn, *,
+                              vocab_size: int, temperature: float, micro_batch_size: int | None,
+                              max_token_len: int | None,
+                              calculate_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward-only log-probs [B, T] (and entropy) of a validated batch, on every rank."""
+    rows = torch.arange(batch["input_ids"].shape[0])
+    micro_batches = micro_batches_for(batch, rows, model_chunks, micro_batch_size=micro_batch_size,
+                                      max_token_len=max_token_len)
+
+    def make_loss_fn(model, data):
+        def loss_fn(hidden):
+            log_probs, entropy = response_logprobs(model, hidden, data, logprob_fn, temperature=temperature,
+                                                   vocab_size=vocab_size, compute_entropy=calculate_entropy)
+            outputs = {"log_probs": log_probs}
+            if entropy is not None:
+                outputs["entropy"] = entropy
+            return log_probs.sum(), outputs
+        return loss_fn
+
+    step = response_forward_step(make_loss_fn, hidden_only=True)
+    outs = run_forward_only(model_chunks, micro_batches, step, len(rows))
+    return outs["log_probs"], outs.get("entropy")

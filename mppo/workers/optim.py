@@ -1,0 +1,136 @@
+"""Training machinery around megatron-core: DDP for DP gradient reduction, the optimizer, the LR schedule and
+one forward-backward-step over micro-batches.
+
+- `wrap_with_ddp`: megatron `DistributedDataParallel` per model chunk (grads accumulate in fp32 buffers and are
+  averaged over DP once per step, in `finalize_model_grads`, which the pipeline schedule calls).
+- `build_optimizer`: `get_megatron_optimizer` (Adam with decoupled weight decay, fp32 master weights when the
+  params are bf16, optional distributed optimizer, grad clipping).
+- `build_lr_scheduler`: megatron's `OptimizerParamScheduler` (linear warm-up from 0, then constant or cosine
+  decay to `min_lr_ratio * lr`); state_dict'able. The workers step it once per `update()` call (one PPO step),
+  as veRL does, so `total_steps` is the trainer's number of PPO steps.
+- `forward_backward` / `optimizer_step`: one optimizer step, skipped when the gradient norm is not finite (the
+  caller also skips on a non-finite loss, from a flag all ranks agree on).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from mppo.config.schema import OptimConfig
+from mppo.workers.pipeline import Batch, ForwardStep, run_pipeline
+
+
+def wrap_with_ddp(chunks: Sequence[nn.Module], *, use_distributed_optimizer: bool) -> list[nn.Module]:
+    """Wrap each model chunk in megatron's DistributedDataParallel (no overlap: one all-reduce or
+    reduce-scatter per step, after the last micro-batch)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,  # bf16 params: accumulate and reduce gradients in fp32
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        check_for_nan_in_grad=False,  # NaN/inf skips the step instead of raising (see optimizer_step)
+    )
+    wrapped = []
+    for i, chunk in enumerate(chunks):
+        # Only the first chunk buckets its grads; megatron-LM does the same with virtual pipelines.
+        wrapped.append(DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=i > 0))
+    return wrapped
+
+
+def build_optimizer(ddp_chunks: Sequence[nn.Module], optim: OptimConfig, *, use_distributed_optimizer: bool,
+                    dtype: torch.dtype):
+    """megatron-core's Adam optimizer over the DDP-wrapped chunks; wires the loss-scale and grad-finalize hooks
+    into the chunks' TransformerConfig so the pipeline schedule reduces gradients over DP."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    if dtype == torch.float16:
+        raise ValueError("fp16 training is not supported (no loss scaling); use bf16 or fp32")
+    if optim.lr <= 0:
+        raise ValueError(f"optim.lr must be > 0, got {optim.lr}")
+    if len(optim.betas) != 2:
+        raise ValueError(f"optim.betas must be [beta1, beta2], got {optim.betas}")
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.lr * optim.min_lr_ratio,
+        weight_decay=optim.weight_decay,
+        adam_beta1=float(optim.betas[0]),
+        adam_beta2=float(optim.betas[1]),
+        adam_eps=optim.eps,
+        clip_grad=optim.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(config, list(ddp_chunks))
+    model_config = ddp_chunks[0].config
+    model_config.grad_scale_func = optimizer.scale_loss
+    model_config.finalize_model_grads_func = finalize_model_grads
+    return optimizer
+
+
+def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
+    """`lr_warmup_steps`, or `lr_warmup_steps_ratio * total_steps` when it is negative (veRL's rule)."""
+    if optim.lr_warmup_steps >= 0:
+        return optim.lr_warmup_steps
+    return int(optim.lr_warmup_steps_ratio * total_steps)
+
+
+def build_lr_scheduler(optimizer, optim: OptimConfig, total_steps: int):
+    """megatron's OptimizerParamScheduler: linear warm-up from 0 over `warmup_steps`, then `lr` (constant) or a
+    cosine decay to `lr * min_lr_ratio` at `total_steps`. Weight decay stays constant."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1 (the trainer's number of PPO steps), got {total_steps}")
+    if optim.lr_scheduler not in ("constant", "cosine"):
+        raise ValueError(f"optim.lr_scheduler must be 'constant' or 'cosine', got {optim.lr_scheduler!r}")
+    warmup = warmup_steps(optim, total_steps)
+    if warmup >= total_steps and optim.lr_scheduler == "cosine":
+        raise ValueError(f"{warmup} warm-up steps leave no room for a cosine decay over {total_steps} steps; "
+                         "lower lr_warmup_steps(_ratio) or raise total_steps")
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=optim.lr, min_lr=optim.lr * optim.min_lr_ratio,
+        lr_warmup_steps=warmup,
+        # megatron asserts warm-up < decay steps even for a constant schedule, where decay steps are unused
+        lr_decay_steps=max(total_steps, warmup + 1), lr_decay_style=optim.lr_scheduler,
+        start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=max(total_steps, 1),
+        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True)
+
+
+def current_lr(optimizer) -> float:
+    """The learning rate the next optimizer step uses."""
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def forward_backward(ddp_chunks: Sequence[nn.Module], optimizer, micro_batches: Sequence[Batch],
+                     forward_step: ForwardStep) -> list[dict[str, torch.Tensor]]:
+    """Zero the gradients, run every micro-batch forward and backward through the pipeline schedule and reduce
+    the gradients over DP. Returns the last stage's per-micro-batch outputs (empty on other stages).
+
+    The gradient is that of the SUM of the micro-batch losses, averaged over DP ranks by DDP: normalise each
+    loss with the global batch facts (`agg_loss` with `GlobalBatchInfo`) to get the global-batch gradient.
+    """
+    for chunk in ddp_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    return run_pipeline(ddp_chunks, micro_batches, forward_step, forward_only=False, broadcast_outputs=False)
+
+
+def optimizer_step(optimizer) -> tuple[bool, float]:
+    """Clip and apply the gradients unless their global norm is not finite; return (applied, norm before clipping).
+
+    The norm is reduced over every rank holding a piece of the model, so all ranks agree on skipping.
+    megatron's own overflow check covers fp16 loss scaling only, not bf16/fp32, hence the check here.
+    """
+    optimizer.prepare_grads()  # main grads -> the optimizer's grads (idempotent without fp16 loss scaling)
+    grad_norm = float(optimizer.get_grad_norm())
+    if not math.isfinite(grad_norm):
+        return False, grad_norm
+    applied, _, _ = optimizer.step()
+    return bool(applied), grad_norm

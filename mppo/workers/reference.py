@@ -1,0 +1,72 @@
+"""The reference policy: a frozen copy of the initial actor (no optimizer), for the KL terms.
+
+With `ref.offload_to_cpu` on a GPU its weights live in host memory and move to the GPU only for the duration
+of `compute_log_prob` (slime does the same). On a CPU-only machine the weights are already in host memory,
+so the option changes nothing there.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from mppo.config.schema import ModelConfig, RefConfig
+from mppo.parallel import ParallelDims
+from mppo.workers.base import build_role_model
+from mppo.workers.batching import Batch, validate_batch
+from mppo.workers.logprob import compute_response_logprobs, make_logprob_fn
+
+
+class ReferenceWorker:
+    """Frozen policy on this rank's TP/PP shard. `compute_log_prob` is collective over every rank.
+
+    `ref_cfg` must be resolved (mppo.config fills its nulls from the actor's); `logprob_impl` and
+    `kernel_backend` are the actor's settings (actor.logprob_impl, actor.kernel_backend).
+    """
+
+    def __init__(self, model_cfg: ModelConfig, ref_cfg: RefConfig, dims: ParallelDims, hf_dir: str | Path, *,
+                 logprob_impl: str = "fused", kernel_backend: str = "auto"):
+        self.cfg, self.dims = ref_cfg, dims
+        self.hf_args, self.model, self.dtype = build_role_model(hf_dir, dims, role="ref", model_cfg=model_cfg,
+                                                                megatron=ref_cfg.megatron)
+        self.logprob_fn = make_logprob_fn(logprob_impl, kernel_backend)
+        self.offload = ref_cfg.offload_to_cpu and dims.device.type != "cpu"
+        if self.offload:
+            self._move(torch.device("cpu"))
+
+    def _move(self, device: torch.device) -> None:
+        for chunk in self.model:
+            chunk.to(device)
+
+    @contextlib.contextmanager
+    def _on_device(self) -> Iterator[None]:
+        """Weights on the compute device for the block (a no-op unless offloaded)."""
+        if not self.offload:
+            yield
+            return
+        self._move(self.dims.device)
+        try:
+            yield
+        finally:
+            self._move(torch.device("cpu"))
+
+    def compute_log_prob(self, batch: Batch, *, temperature: float, micro_batch_size: int | None = None,
+                         max_token_len: int | None = None) -> torch.Tensor:
+        """Reference log-probs [B, T] fp32 of the response tokens on every rank (0 at response padding).
+        Micro-batches by count (default: ref.log_prob_micro_batch_size_per_gpu) or by token budget."""
+        validate_batch(batch)
+        if micro_batch_size is not None and max_token_len is not None:
+            raise ValueError("give micro_batch_size (by count) or max_token_len (token budget), not both")
+        if micro_batch_size is None and max_token_len is None:
+            micro_batch_size = self.cfg.log_prob_micro_batch_size_per_gpu
+            if micro_batch_size is None:
+                raise ValueError("ref.log_prob_micro_batch_size_per_gpu is not set; resolve the config or pass "
+                                 "micro_batch_size / max_token_len")
+        batch = {k: v.to(self.dims.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        with torch.no_grad(), self._on_device():
+            log_probs, _ = compute_response_logprobs(
+                self.model, batch, self.logprob_fn, vocab_size=self.hf_args.vocab_size, temperature=temperature,
+                micro_batch_size=micro_batch_size, max_token_len=max_token_len, calculate_entropy=False)
+        return log_probs

@@ -1,0 +1,112 @@
+"""The loop the actor and critic updates share: epochs x mini-batches x micro-batches, one optimizer step per
+mini-batch, with the global batch facts of each mini-batch and a NaN/inf guard that skips the step."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mppo.core_algos import GlobalBatchInfo
+from mppo.parallel import ParallelDims
+from mppo.workers.base import StepMetrics
+from mppo.workers.batching import Batch, BatchError, global_batch_info, mini_batch_rows
+from mppo.workers.logprob import micro_batches_for, pipeline_inputs
+from mppo.workers.optim import forward_backward, optimizer_step
+from mppo.workers.pipeline import ForwardStep
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, float]  # global values of this optimizer step
+    grad_norm: float  # before clipping; NaN when skipped
+    skipped: bool
+
+
+class TrainLoop:
+    """Mini/micro-batching and optimizer steps of one trainable role (all methods collective)."""
+
+    def __init__(self, model: Sequence[nn.Module], optimizer, dims: ParallelDims, *, role: str,
+                 mini_batch_size: int, micro_batch_size: int | None, use_dynamic_bsz: bool, max_token_len: int,
+                 epochs: int, shuffle: bool, seed: int):
+        """`mini_batch_size` is in samples over all DP ranks (ppo_mini_batch_size x rollout.n)."""
+        for name, value in (("ppo_mini_batch_size", mini_batch_size), ("ppo_epochs", epochs),
+                            ("use_dynamic_bsz", use_dynamic_bsz)):
+            if value is None:
+                raise ValueError(f"{role}.{name} is not set; resolve the config (mppo.config) before building "
+                                 "workers")
+        if mini_batch_size % dims.dp:
+            raise ValueError(f"{role}: mini-batch of {mini_batch_size} samples (ppo_mini_batch_size x rollout.n) "
+                             f"does not split over dp={dims.dp} ranks; make it a multiple of {dims.dp}")
+        if not use_dynamic_bsz and (micro_batch_size is None or micro_batch_size < 1):
+            raise ValueError(f"{role}.ppo_micro_batch_size_per_gpu must be >= 1 without use_dynamic_bsz, "
+                             f"got {micro_batch_size}")
+        self.model, self.optimizer, self.dims, self.role = list(model), optimizer, dims, role
+        self.local_mini_batch_size = mini_batch_size // dims.dp
+        self.micro_batch_size, self.use_dynamic_bsz = micro_batch_size, use_dynamic_bsz
+        self.max_token_len = max_token_len
+        self.epochs, self.shuffle, self.seed = epochs, shuffle, seed
+
+    def to_device(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """The batch's tensors on this rank's device (non-tensor entries such as uids are not needed here)."""
+        return {k: v.to(self.dims.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+    def micro_batching(self, micro_batch_size: int | None, max_token_len: int | None) -> tuple[int | None, int | None]:
+        """Explicit micro-batching (one of the two), else the role's update setting."""
+        if micro_batch_size is not None and max_token_len is not None:
+            raise ValueError("give micro_batch_size (by count) or max_token_len (token budget), not both")
+        if micro_batch_size is None and max_token_len is None:
+            if self.use_dynamic_bsz:
+                return None, self.max_token_len
+            return self.micro_batch_size, None
+        return micro_batch_size, max_token_len
+
+    def _check_same_batch_size(self, rows: int) -> None:
+        """Every DP rank must hold the same number of rows, or the ranks would run different step counts."""
+        if self.dims.dp == 1:
+            return
+        from megatron.core import parallel_state as ps
+
+        sizes = torch.tensor([rows, -rows], dtype=torch.int64, device=self.dims.device)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        if int(sizes[0]) != -int(sizes[1]):
+            raise BatchError(f"{self.role}: DP ranks hold between {-int(sizes[1])} and {int(sizes[0])} rows; "
+                             "give every DP rank an equal shard of the batch")
+
+    def mini_batches(self, batch: Batch, update_index: int) -> Iterator[tuple[list[Batch], GlobalBatchInfo]]:
+        """(pipeline inputs of each micro-batch, global batch facts) per mini-batch, `epochs` times over.
+
+        Shuffling (when on) is seeded by (seed, update_index, epoch): the same on every TP/PP rank of a replica
+        and reproducible after a resume.
+        """
+        from megatron.core import parallel_state as ps
+
+        rows = batch["input_ids"].shape[0]
+        self._check_same_batch_size(rows)
+        for epoch in range(self.epochs):
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + update_index * 1_009 + epoch)
+            for mini_rows in mini_batch_rows(rows, self.local_mini_batch_size, shuffle=self.shuffle,
+                                             generator=generator):
+                info = global_batch_info(batch["response_mask"][mini_rows.to(self.dims.device)],
+                                         dp_group=ps.get_data_parallel_group(), dp_size=self.dims.dp)
+                micro = micro_batches_for(batch, mini_rows, self.model, micro_batch_size=self.micro_batch_size
+                                          if not self.use_dynamic_bsz else None,
+                                          max_token_len=self.max_token_len if self.use_dynamic_bsz else None)
+                yield pipeline_inputs(self.model, micro), info
+
+    def step(self, micro_batches: Sequence[Batch], forward_step: ForwardStep, metrics: StepMetrics,
+             info: GlobalBatchInfo) -> StepResult:
+        """Forward-backward over the micro-batches, then the optimizer step unless a loss on any rank or the
+        global gradient norm is not finite (or the mini-batch has no valid token)."""
+        if not info.batch_num_tokens:  # every rank sees the same all-reduced count
+            return StepResult({}, math.nan, True)
+        forward_backward(self.model, self.optimizer, micro_batches, forward_step)
+        contributes = self.dims.is_last_stage and self.dims.tp_rank == 0
+        values, loss_nonfinite = metrics.reduce(contributes=contributes, device=self.dims.device)
+        if loss_nonfinite:
+            return StepResult(values, math.nan, True)
+        applied, grad_norm = optimizer_step(self.optimizer)
+        return StepResult(values, grad_norm if applied else math.nan, not applied)
