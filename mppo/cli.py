@@ -14,6 +14,7 @@ import warnings
 from typing import Sequence
 
 from mppo.config import ConfigError, load_config, to_yaml  # light: omegaconf + yaml, no torch
+from mppo.errors import UserError
 
 # subcommand -> (module whose `main(argv: list[str]) -> int` runs it, one-line help). "{name}" in the module is
 # replaced by the subcommand's first argument (`mppo bench kernels` -> mppo.bench.kernels). One line per command.
@@ -44,7 +45,7 @@ def _error(message: str, every_rank: bool = False) -> int:
 
 
 # What a subcommand may raise for bad user input (a missing file, a bad value); anything else keeps its traceback.
-USER_INPUT_ERRORS = (ConfigError, FileNotFoundError)
+USER_INPUT_ERRORS = (UserError, FileNotFoundError)  # ConfigError is a UserError
 
 
 def _missing(exc: ModuleNotFoundError, module: str) -> bool:

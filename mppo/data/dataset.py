@@ -15,13 +15,15 @@ from typing import Any, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mppo.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 MAKE_DATA_HINT = ("make task data with `mppo data countdown --out DIR` (or `mppo data multiply --out DIR`), which "
                   "writes DIR/train.parquet and DIR/test.parquet")
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """The data cannot be used as given; the message names the file, the row and the fix."""
 
 

@@ -23,6 +23,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mppo.errors import UserError
+
 TEMPLATES = ("base", "qwen-instruct")
 
 # TinyZero's countdown prompt (examples/data_preprocess/countdown.py); its reward looks for "Assistant:" or
@@ -45,7 +47,7 @@ _MULTIPLY_TASK = ("Calculate {a} * {b}. Show your work in <think> </think> tags.
                   "<answer> </answer> tags, for example <answer> 1234 </answer>.")
 
 
-class TaskGenerationError(ValueError):
+class TaskGenerationError(UserError, ValueError):
     """The requested task data cannot be generated with these settings."""
 
 

@@ -12,6 +12,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from mppo.errors import UserError
+
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 IM_START = "<|im_start|>"
@@ -31,7 +33,7 @@ QWEN2_SPLIT_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\
                      r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
-class TokenizerLoadError(ValueError):
+class TokenizerLoadError(UserError, ValueError):
     """A tokenizer directory cannot be loaded; the message names the path."""
 
 

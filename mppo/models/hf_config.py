@@ -14,13 +14,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mppo.errors import UserError
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
 # megatron-core's RotaryEmbedding hard-codes these llama3 rope-scaling constants; only `factor` is a parameter.
 _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UserError, ValueError):
     """The HF config describes a model (or a feature of one) that mppo cannot build."""
 
 

@@ -9,10 +9,12 @@ from typing import Literal
 
 import torch
 
+from mppo.errors import UserError
+
 TransformerImpl = Literal["auto", "te", "local"]
 
 
-class MissingGpuPackageError(ImportError):
+class MissingGpuPackageError(UserError, ImportError):
     """A GPU-only package was asked for but is not importable here."""
 
 

@@ -17,12 +17,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mppo.errors import UserError
 from mppo.parallel import cpu_compat
 
 log = logging.getLogger(__name__)
 
 
-class ParallelLayoutError(ValueError):
+class ParallelLayoutError(UserError, ValueError):
     """The requested TP/PP/VPP layout does not fit the world size or the model."""
 
 

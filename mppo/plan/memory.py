@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mppo.errors import UserError
 from mppo.kernels.fused_logprob import CHUNK_ELEMENTS
 from mppo.models.hf_config import HFModelArgs
 from mppo.models.vocab import padded_vocab_size
@@ -31,7 +32,7 @@ FUSED_BYTES_PER_TOKEN = 4 * FP32  # the per-token statistics it saves for the ba
 NAIVE_FP32_COPIES = 3  # naive path: fp32 logits / temperature, log-softmax, softmax (entropy), besides the logits
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """The model cannot be laid out as configured (the message says what to change)."""
 
 

@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from mppo.errors import UserError
 from mppo.rewards import countdown, gsm8k, multiply
 
 ComputeScore = Callable[..., Any]
@@ -26,7 +27,7 @@ SCORERS: dict[str, Callable[..., float]] = {
 }
 
 
-class RewardConfigError(ValueError):
+class RewardConfigError(UserError, ValueError):
     """The reward setup (a data source, a custom function path or name) cannot be used."""
 
 

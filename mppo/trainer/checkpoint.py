@@ -27,6 +27,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from mppo.errors import UserError
+
 log = logging.getLogger("mppo")
 
 MANIFEST = "manifest.json"
@@ -35,7 +37,7 @@ LATEST = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be used for this run; the message names the path and what differs."""
 
 

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mppo.errors import UserError
 from mppo.models.atomic import atomic_directory
 from mppo.models.builders import unwrap_model
 from mppo.models.checkpoint import HF_SUBDIR, MODEL_SUBDIR, model_sharded_state_dict
@@ -45,7 +46,7 @@ _MODEL_FACTS = ("model_type", "vocab_size", "hidden_size", "ffn_hidden_size", "n
                 "num_query_groups", "head_dim", "qkv_bias", "tie_word_embeddings")
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(UserError, ValueError):
     """A checkpoint that cannot be loaded into this worker as asked."""
 
 

@@ -1,0 +1,96 @@
+"""Building a run's parts from its config: data, tokenizer, reward, rollout engine. The fit loop only wires them."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mppo.config import ConfigError, MppoConfig
+from mppo.data import PromptLoader, RLDataset, load_tokenizer
+from mppo.rewards import RewardManager, known_data_sources, resolve_compute_score
+from mppo.rollout.base import RolloutEngine, SamplingParams
+
+log = logging.getLogger("mppo")
+
+
+def require_path(value: str | None, key: str, hint: str) -> str:
+    if not value:
+        raise ConfigError(f"{key} is not set; {hint}")
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise ConfigError(f"{key}={value!r} does not exist; {hint}")
+    return str(path)
+
+
+@dataclass
+class RunData:
+    tokenizer: Any
+    train_loader: PromptLoader
+    val_dataset: RLDataset | None
+    reward: RewardManager
+
+
+def build_data(cfg: MppoConfig) -> RunData:
+    model_path = require_path(cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path",
+                              "give an HF model directory (config.json + safetensors)")
+    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.tokenizer_path or model_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # veRL does the same for tokenizers without a pad token
+    hint = "make data with e.g. `mppo data countdown --out data/countdown`"
+    if not cfg.data.train_files:
+        raise ConfigError(f"data.train_files is not set; {hint}")
+    dataset_kwargs = dict(prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
+                          filter_overlong_prompts=True if cfg.data.filter_overlong_prompts else "error")
+    train = RLDataset(cfg.data.train_files, tokenizer, **dataset_kwargs)
+    val = RLDataset(cfg.data.val_files, tokenizer, **dataset_kwargs) if cfg.data.val_files else None
+    for name, ds in (("train", train), ("val", val)):
+        if ds is not None and ds.num_dropped_overlong:
+            log.warning("%s data: dropped %d prompts longer than data.max_prompt_length=%d", name,
+                        ds.num_dropped_overlong, cfg.data.max_prompt_length)
+    compute_score = resolve_compute_score(cfg.reward.custom_fn.path, cfg.reward.custom_fn.name)
+    if not cfg.reward.custom_fn.path:
+        sources = {train[i].data_source for i in range(len(train))}
+        unknown = sources - set(known_data_sources())
+        if unknown:
+            raise ConfigError(f"no built-in reward for data_source {sorted(unknown)} (known: "
+                              f"{known_data_sources()}); set reward.custom_fn.path to your own scorer")
+    loader = PromptLoader(train, cfg.data.train_batch_size, pad_token_id=tokenizer.pad_token_id,
+                          shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    return RunData(tokenizer=tokenizer, train_loader=loader, val_dataset=val,
+                   reward=RewardManager(tokenizer, compute_score, format_score=cfg.reward.format_score))
+
+
+def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    return tuple(sorted(ids))
+
+
+def train_sampling(cfg: MppoConfig, tokenizer: Any) -> SamplingParams:
+    r = cfg.actor_rollout_ref.rollout
+    return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_new_tokens=cfg.data.max_response_length, stop_token_ids=stop_token_ids(tokenizer),
+                          seed=cfg.trainer.seed, do_sample=True)
+
+
+def val_sampling(cfg: MppoConfig, tokenizer: Any) -> SamplingParams:
+    v = cfg.actor_rollout_ref.rollout.val_kwargs
+    return SamplingParams(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k,
+                          max_new_tokens=cfg.data.max_response_length, stop_token_ids=stop_token_ids(tokenizer),
+                          seed=cfg.trainer.seed, do_sample=v.do_sample)
+
+
+def build_engine(cfg: MppoConfig, device: torch.device) -> RolloutEngine:
+    """The rollout engine for this rank's model-parallel group (called on the group's leader rank only)."""
+    name = cfg.actor_rollout_ref.rollout.name
+    model_path = cfg.actor_rollout_ref.model.path
+    if name == "cpu":
+        from transformers import AutoConfig
+
+        from mppo.rollout.cpu_engine import CPURolloutEngine
+
+        return CPURolloutEngine(AutoConfig.from_pretrained(model_path))
+    raise ConfigError(f"actor_rollout_ref.rollout.name={name!r} is not wired into the trainer yet; "
+                      "use actor_rollout_ref.rollout.name=cpu")

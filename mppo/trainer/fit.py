@@ -1,0 +1,337 @@
+"""The PPO fit loop: one readable pass through veRL's steps per iteration.
+
+    weights → engine ─► rollout (n per prompt) ─► old log-probs ─► ref log-probs ─► values ─► rewards
+        ─► KL in reward (or as a loss) ─► advantages ─► critic update ─► actor update ─► metrics, val, checkpoint
+
+Every rank runs this same program (SPMD). The global prompt batch is split over data-parallel (DP) ranks; within a
+model-parallel group (the TP×PP ranks of one DP index) the first rank drives the rollout engine and shares the
+results. Advantages are computed on the whole global batch, gathered over DP, so batch-wide statistics (GAE
+whitening, GRPO groups, the KL controller) are exactly veRL's whatever the layout.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mppo import core_algos
+from mppo.config import ConfigError, MppoConfig, to_yaml
+from mppo.data.loader import PromptBatch
+from mppo.trainer import components
+from mppo.trainer.checkpoint import CheckpointManager
+from mppo.trainer.metrics import MetricsLogger, StepTimer, compute_data_metrics, perf_metrics, plot_metrics
+from mppo.trainer.model_flops import ppo_step_flops
+from mppo.trainer.parallel_io import ModelParallelIO
+from mppo.trainer.rollout_batch import all_gather_rows, build_rollout_batch, local_rows
+from mppo.trainer.validation import validate
+
+log = logging.getLogger("mppo")
+
+# Tensors gathered over DP so advantages see the whole global batch.
+_ADV_INPUTS = ("token_level_scores", "old_log_probs", "ref_log_prob", "values", "response_mask", "uid")
+
+
+class PPOTrainer:
+    def __init__(self, cfg: MppoConfig) -> None:
+        from mppo.parallel import init_distributed
+        from mppo.workers.actor import ActorWorker
+        from mppo.workers.critic import CriticWorker
+        from mppo.workers.reference import ReferenceWorker
+        from mppo.workers.worker_checkpoint import load_worker_checkpoint, save_worker_checkpoint
+
+        self._save_worker, self._load_worker = save_worker_checkpoint, load_worker_checkpoint
+
+        self.cfg = cfg
+        arr = cfg.actor_rollout_ref
+        mcfg = arr.actor.megatron
+        _check_shared_layout(cfg)
+        self.dims = init_distributed(mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size,
+                                     mcfg.virtual_pipeline_model_parallel_size,
+                                     timeout_s=cfg.trainer.collective_timeout_s, seed=mcfg.seed)
+        self.device = torch.device(self.dims.device)
+        self.is_main = self.dims.rank == 0
+        self.run_dir = Path(cfg.trainer.default_local_dir)
+        self.io = ModelParallelIO(self.dims)
+
+        self.data = components.build_data(cfg)
+        self.total_steps = _total_steps(cfg, len(self.data.train_loader))
+        model_path, n = arr.model.path, arr.rollout.n
+        self.actor = ActorWorker(arr.model, arr.actor, self.dims, model_path, total_steps=self.total_steps,
+                                 rollout_n=n)
+        self.use_critic = bool(cfg.critic.enable)
+        self.critic = (CriticWorker(arr.model, cfg.critic, self.dims, cfg.critic.model.path,
+                                    total_steps=self.total_steps, rollout_n=n) if self.use_critic else None)
+        self.use_kl_in_reward = cfg.algorithm.use_kl_in_reward
+        self.use_ref = self.use_kl_in_reward or arr.actor.use_kl_loss
+        self.ref = (ReferenceWorker(arr.model, arr.ref, self.dims, model_path, logprob_impl=arr.actor.logprob_impl,
+                                    kernel_backend=arr.actor.kernel_backend) if self.use_ref else None)
+        self.num_parameters = _count_parameters(self.actor.model, self.io)
+        kc = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = core_algos.get_kl_controller(kc.type, kc.kl_coef, target_kl=kc.target_kl,
+                                                    horizon=kc.horizon)
+        self.engine = components.build_engine(cfg, self.device) if self.io.is_leader else None
+        self.train_sampling = components.train_sampling(cfg, self.data.tokenizer)
+        self.val_sampling = components.val_sampling(cfg, self.data.tokenizer)
+
+        self.ckpt = CheckpointManager(self.run_dir, resume_config=_resume_config(cfg),
+                                      layout={"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp,
+                                              "vpp": self.dims.vpp},
+                                      max_to_keep=cfg.trainer.max_ckpt_to_keep)
+        self.metrics = MetricsLogger(self.run_dir, cfg.trainer.logger, enabled=self.is_main,
+                                     project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name)
+        self.step = 0
+        self.consecutive_skips = 0
+        self.skipped_steps = 0
+        if self.is_main:
+            (self.run_dir).mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+
+    # ------------------------------------------------------------------------------------------------ resume
+    def maybe_resume(self) -> None:
+        if self.cfg.trainer.resume_mode == "disable":
+            return
+        info = self.ckpt.latest()
+        if info is None:
+            return
+        state = self.ckpt.load_trainer_state(info)
+        self._load_worker(self.actor, info.path / "actor")
+        if self.critic is not None:
+            self._load_worker(self.critic, info.path / "critic")
+        self.data.train_loader.load_state_dict(state["data"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.step = state["step"]
+        self.skipped_steps = state.get("skipped_steps", 0)
+        self.metrics.truncate_after(self.step)
+        log.info("resumed from %s (step %d)", info.path, self.step)
+
+    def save_checkpoint(self) -> None:
+        writers = {"actor": lambda d: self._save_worker(self.actor, d)}
+        if self.critic is not None:
+            writers["critic"] = lambda d: self._save_worker(self.critic, d)
+        state = {"step": self.step, "data": self.data.train_loader.state_dict(),
+                 "kl_ctrl": self.kl_ctrl.state_dict(), "skipped_steps": self.skipped_steps}
+        path = self.ckpt.save(self.step, writers, state)
+        log.info("checkpoint written: %s", path)
+
+    # ------------------------------------------------------------------------------------------------ one step
+    def sync_weights(self) -> None:
+        """Actor weights → engine, resharded to HF layout and streamed in buckets (a collective on every rank)."""
+        bucket_bytes = self.cfg.actor_rollout_ref.rollout.weight_bucket_mb << 20
+        buckets = self.actor.export_hf_weights(bucket_bytes)
+        if self.engine is not None:
+            self.engine.update_weights(buckets)
+            self.engine.resume()
+        else:
+            for _ in buckets:  # every rank must take part in the gathers behind the stream
+                pass
+
+    def generate(self, prompts: PromptBatch, offset: int, sampling, step: int) -> dict[str, torch.Tensor]:
+        """Rollout on the group leader, scored there, broadcast to the model-parallel group."""
+        batch = None
+        if self.engine is not None:
+            prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(prompts.input_ids, prompts.attention_mask)]
+            responses = self.engine.generate(prompt_ids, sampling, step=step,
+                                             prompt_offsets=list(range(offset, offset + len(prompt_ids))))
+            batch = build_rollout_batch(prompts, responses, n=sampling.n,
+                                        max_response_length=self.cfg.data.max_response_length,
+                                        pad_token_id=self.data.tokenizer.pad_token_id)
+            n = sampling.n
+            scores, reward_metrics = self.data.reward(
+                [p for p in prompts.raw_prompts for _ in range(n)], batch["responses"], batch["response_mask"],
+                [s for s in prompts.data_sources for _ in range(n)],
+                [g for g in prompts.ground_truths for _ in range(n)],
+                [e for e in prompts.extra_infos for _ in range(n)])
+            batch["token_level_scores"] = scores
+            batch["reward_errors"] = torch.tensor([reward_metrics.get("reward/errors", 0.0)])
+        return self.io.broadcast_from_leader(batch)
+
+    def train_step(self, prompts: PromptBatch) -> dict[str, float]:
+        cfg, timer = self.cfg, StepTimer()
+        with timer.phase("step"):
+            local_prompts, offset = self.io.dp_slice(prompts)
+            with timer.phase("weight_sync"):
+                self.sync_weights()
+            with timer.phase("gen"):
+                batch = self.generate(local_prompts, offset, self.train_sampling, self.step)
+                if self.engine is not None:
+                    self.engine.release()
+            temperature = cfg.actor_rollout_ref.rollout.temperature
+            with timer.phase("old_log_prob"):
+                batch["old_log_probs"], _ = self.actor.compute_log_prob(batch, temperature=temperature)
+            if self.ref is not None:
+                with timer.phase("ref"):
+                    batch["ref_log_prob"] = self.ref.compute_log_prob(batch, temperature=temperature)
+            if self.critic is not None:
+                with timer.phase("values"):
+                    batch["values"] = self.critic.compute_values(batch)
+            with timer.phase("adv"):
+                adv_metrics = self.compute_advantages(batch)
+            # Worker metrics are global (identical on every rank); `skipped` marks a non-finite update.
+            metrics: dict[str, float] = {**adv_metrics}
+            if self.critic is not None:
+                with timer.phase("update_critic"):
+                    critic_metrics = self.critic.update(batch)
+                metrics["critic/skipped"] = float(critic_metrics.pop("skipped", False))
+                metrics.update(critic_metrics)
+            if self.step >= cfg.trainer.critic_warmup:
+                with timer.phase("update_actor"):
+                    actor_metrics = self.actor.update(batch, temperature=temperature)
+                metrics["actor/skipped"] = float(actor_metrics.pop("skipped", False))
+                metrics.update(actor_metrics)
+        metrics.update(self._step_metrics(batch, timer))
+        return metrics
+
+    def compute_advantages(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """KL penalty and advantages on the whole global batch (gathered over DP), then this rank's rows back."""
+        cfg = self.cfg.algorithm
+        full = {k: all_gather_rows(batch[k], self.io.dp_group) for k in _ADV_INPUTS if k in batch}
+        metrics: dict[str, float] = {}
+        if self.use_kl_in_reward:
+            full["token_level_rewards"], metrics = core_algos.apply_kl_penalty(
+                full["token_level_scores"], full["old_log_probs"], full["ref_log_prob"], full["response_mask"],
+                self.kl_ctrl, kl_penalty=cfg.kl_penalty)
+        else:
+            full["token_level_rewards"] = full["token_level_scores"]
+        full["advantages"], full["returns"] = core_algos.compute_advantage(
+            cfg.adv_estimator, token_level_rewards=full["token_level_rewards"], response_mask=full["response_mask"],
+            values=full.get("values"), index=full["uid"].numpy().astype(object), gamma=cfg.gamma, lam=cfg.lam,
+            norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo, old_log_probs=full["old_log_probs"])
+        for key in ("token_level_rewards", "advantages", "returns"):
+            batch[key] = local_rows(full[key], self.io.dp_group)
+        self._full_batch = full  # for data metrics
+        return metrics
+
+    def _step_metrics(self, batch: dict[str, torch.Tensor], timer: StepTimer) -> dict[str, float]:
+        full = dict(self._full_batch)
+        full["prompt_mask"] = all_gather_rows(batch["prompt_mask"], self.io.dp_group)
+        metrics = compute_data_metrics(full, max_response_length=self.cfg.data.max_response_length,
+                                       max_prompt_length=self.cfg.data.max_prompt_length)
+        metrics.update(timer.metrics())
+        num_tokens = int(full["prompt_mask"].sum().item() + full["response_mask"].sum().item())
+        flops = ppo_step_flops(self.num_parameters, num_tokens, use_critic=self.use_critic,
+                               use_ref=self.use_ref)
+        metrics.update(perf_metrics(num_tokens=num_tokens, step_seconds=timer.seconds["step"],
+                                    world_size=self.dims.world, flops=flops, device=self.device))
+        errors = all_gather_rows(batch["reward_errors"], self.io.dp_group)
+        metrics["reward/errors"] = float(errors.sum().item())
+        return metrics
+
+    # ------------------------------------------------------------------------------------------------ the loop
+    def fit(self) -> None:
+        from tqdm import tqdm
+
+        self.maybe_resume()
+        cfg = self.cfg.trainer
+        if cfg.val_before_train and self.step == 0 and self.data.val_dataset is not None:
+            self.metrics.log(0, self.validate())
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="ppo", disable=not self.is_main,
+                   dynamic_ncols=True)
+        loader = self.data.train_loader
+        while self.step < self.total_steps:
+            for prompts in loader:
+                metrics = self.train_step(prompts)
+                self.step += 1
+                self._count_skips(metrics)
+                metrics["training/epoch"] = loader.epoch
+                metrics["training/skipped_steps"] = self.skipped_steps
+                last = self.step >= self.total_steps
+                if self.data.val_dataset is not None and cfg.test_freq > 0 and (
+                        self.step % cfg.test_freq == 0 or last):
+                    metrics.update(self.validate())
+                self.metrics.log(self.step, metrics)
+                bar.update(1)
+                bar.set_postfix({k.split("/", 1)[-1]: f"{metrics[k]:.3g}" for k in
+                                 ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "response_length/mean")
+                                 if k in metrics}, refresh=False)
+                if (cfg.save_freq > 0 and self.step % cfg.save_freq == 0) or last:
+                    self.save_checkpoint()
+                if last:
+                    break
+        bar.close()
+        self.metrics.close()
+        if self.is_main and self.metrics.path.exists():
+            png = plot_metrics(self.metrics.path, self.run_dir / "metrics.png")
+            log.info("done: %d steps; metrics in %s, plot in %s", self.step, self.metrics.path, png)
+
+    def validate(self) -> dict[str, float]:
+        return validate(self, self.data.val_dataset)
+
+    def _count_skips(self, metrics: dict[str, float]) -> None:
+        skipped = bool(metrics.get("actor/skipped", 0.0)) or bool(metrics.get("critic/skipped", 0.0))
+        if not skipped:
+            self.consecutive_skips = 0
+            return
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        log.warning("step %d: non-finite loss or grad norm, update skipped (%d in a row)", self.step,
+                    self.consecutive_skips)
+        limit = self.cfg.trainer.max_consecutive_skips
+        if self.consecutive_skips >= limit:
+            raise FloatingPointError(
+                f"{self.consecutive_skips} consecutive steps had a NaN/inf loss or grad norm (limit "
+                f"trainer.max_consecutive_skips={limit}); the last good checkpoint is in {self.ckpt.root}. "
+                "Lower the learning rate or check the rewards/data of these steps")
+
+
+def _count_parameters(model_chunks, io: ModelParallelIO) -> int:
+    """Parameters of the whole model: this rank's shard summed over its model-parallel group."""
+    local = sum(p.numel() for chunk in model_chunks for p in chunk.parameters())
+    total = torch.tensor([local], dtype=torch.float64)
+    if io.mp_group is not None:
+        dist.all_reduce(total, group=io.mp_group)
+    return int(total.item())
+
+
+def _check_shared_layout(cfg: MppoConfig) -> None:
+    """Actor, critic and reference share megatron's one set of process groups, so they share one layout."""
+    actor = cfg.actor_rollout_ref.actor.megatron
+    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
+    for role, section in (("critic", cfg.critic.megatron), ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.megatron)):
+        for key in keys:
+            if getattr(section, key) != getattr(actor, key):
+                raise ConfigError(f"{role}.megatron.{key}={getattr(section, key)} differs from the actor's "
+                                  f"{getattr(actor, key)}; mppo runs all models on one layout: leave it null")
+
+
+def _total_steps(cfg: MppoConfig, batches_per_epoch: int) -> int:
+    if cfg.trainer.total_training_steps:
+        return cfg.trainer.total_training_steps
+    return cfg.trainer.total_epochs * batches_per_epoch
+
+
+# Keys a resumed run may change without changing what it computes.
+_RESUME_FREE = ("trainer.total_epochs", "trainer.total_training_steps", "trainer.save_freq", "trainer.test_freq",
+                "trainer.logger", "trainer.max_ckpt_to_keep", "trainer.collective_timeout_s",
+                "trainer.val_before_train", "trainer.project_name", "trainer.experiment_name",
+                "trainer.resume_mode", "trainer.max_consecutive_skips", "trainer.default_local_dir",
+                "data.val_files", "data.val_batch_size")
+
+
+def _resume_config(cfg: MppoConfig) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            flat[prefix] = value
+
+    walk("", asdict(cfg))
+    return {k: v for k, v in flat.items()
+            if not any(k == free or k.startswith(free + ".") for free in _RESUME_FREE)
+            and ".val_kwargs." not in k}
+
+
+def run(cfg: MppoConfig) -> int:
+    trainer = PPOTrainer(cfg)
+    trainer.fit()
+    return 0

@@ -1,0 +1,61 @@
+"""How the SPMD ranks share work: DP slices of the prompt batch, and the model-parallel group's leader.
+
+Within one model-parallel group (the TP×PP ranks holding one model replica) only the leader (tp_rank 0, pp_rank 0)
+drives the rollout engine and scores responses; it broadcasts the resulting batch to the rest of its group, so every
+rank then runs the same log-prob and update passes on the same rows.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mppo.data.loader import PromptBatch
+from mppo.parallel import ParallelDims
+
+
+class ModelParallelIO:
+    def __init__(self, dims: ParallelDims) -> None:
+        self.dims = dims
+        self.distributed = dist.is_initialized() and dims.world > 1
+        self.is_leader = dims.tp_rank == 0 and dims.pp_rank == 0
+        self.mp_group = self.dp_group = None
+        self.leader_rank = dims.rank
+        if self.distributed:
+            from megatron.core import parallel_state
+
+            self.mp_group = parallel_state.get_model_parallel_group()
+            self.dp_group = parallel_state.get_data_parallel_group()
+            self.leader_rank = min(dist.get_process_group_ranks(self.mp_group))
+
+    def dp_slice(self, prompts: PromptBatch) -> tuple[PromptBatch, int]:
+        """This DP rank's contiguous share of the global prompt batch, and its offset in it."""
+        total, dp = len(prompts), self.dims.dp
+        if total % dp:
+            raise ValueError(f"{total} prompts do not split over {dp} data-parallel ranks")
+        size = total // dp
+        start = self.dims.dp_rank * size
+        part = slice(start, start + size)
+        return replace(prompts, input_ids=prompts.input_ids[part], attention_mask=prompts.attention_mask[part],
+                       position_ids=prompts.position_ids[part], raw_prompts=prompts.raw_prompts[part],
+                       data_sources=prompts.data_sources[part], ground_truths=prompts.ground_truths[part],
+                       extra_infos=prompts.extra_infos[part], indices=prompts.indices[part]), start
+
+    def broadcast_from_leader(self, obj: Any) -> Any:
+        if self.mp_group is None or dist.get_world_size(self.mp_group) == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.leader_rank, group=self.mp_group)
+        return box[0]
+
+    def mean_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Average per-rank scalar metrics over DP ranks (every rank must pass the same keys)."""
+        if self.dp_group is None or dist.get_world_size(self.dp_group) == 1 or not metrics:
+            return metrics
+        keys = sorted(metrics)
+        values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        dist.all_reduce(values, group=self.dp_group)
+        values /= dist.get_world_size(self.dp_group)
+        return dict(zip(keys, values.tolist()))
