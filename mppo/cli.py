@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import pkgutil
 import sys
@@ -75,6 +76,7 @@ def _train(args: argparse.Namespace) -> int:
         if _is_rank0():
             sys.stdout.write(to_yaml(cfg))
         return 0
+    _configure_run_logging()
     try:
         trainer = importlib.import_module("mppo.trainer")
     except ModuleNotFoundError as e:
@@ -85,6 +87,23 @@ def _train(args: argparse.Namespace) -> int:
         return int(trainer.run(cfg) or 0)
     except USER_INPUT_ERRORS as e:
         return _error(str(e), every_rank=True)
+
+
+# megatron-core announces its fallbacks for GPU-only packages (apex, Transformer Engine) on every import; on a
+# machine without them that is the expected path, not news.
+_EXPECTED_FALLBACK_WARNINGS = (r".*Apex is not installed.*", r".*Transformer Engine and Apex are not installed.*",
+                               r"full scope is deprecated.*", r"The \.grad attribute of a Tensor that is not a leaf",
+                               r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated")
+
+
+def _configure_run_logging() -> None:
+    """INFO logs tagged with the rank, so a multi-rank run says what each rank is doing."""
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
+    for pattern in _EXPECTED_FALLBACK_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # it lists every parameter at INFO
 
 
 # ---------------------------------------------------------------------------------------------------------- tools

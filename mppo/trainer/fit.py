@@ -23,6 +23,7 @@ import torch.distributed as dist
 from mppo import core_algos
 from mppo.config import ConfigError, MppoConfig, to_yaml
 from mppo.data.loader import PromptBatch
+from mppo.rollout.weight_sync import push_actor_weights
 from mppo.trainer import components
 from mppo.trainer.checkpoint import CheckpointManager
 from mppo.trainer.metrics import MetricsLogger, StepTimer, compute_data_metrics, perf_metrics, plot_metrics
@@ -120,16 +121,13 @@ class PPOTrainer:
         log.info("checkpoint written: %s", path)
 
     # ------------------------------------------------------------------------------------------------ one step
-    def sync_weights(self) -> None:
+    def sync_weights(self) -> dict[str, float]:
         """Actor weights → engine, resharded to HF layout and streamed in buckets (a collective on every rank)."""
         bucket_bytes = self.cfg.actor_rollout_ref.rollout.weight_bucket_mb << 20
-        buckets = self.actor.export_hf_weights(bucket_bytes)
+        stats = push_actor_weights(self.engine, self.actor.model, self.actor.hf_args, bucket_bytes)
         if self.engine is not None:
-            self.engine.update_weights(buckets)
             self.engine.resume()
-        else:
-            for _ in buckets:  # every rank must take part in the gathers behind the stream
-                pass
+        return {"perf/weight_sync_bytes": float(stats.bytes), "perf/weight_sync_gb_per_s": stats.bytes_per_s / 1e9}
 
     def generate(self, prompts: PromptBatch, offset: int, sampling, step: int) -> dict[str, torch.Tensor]:
         """Rollout on the group leader, scored there, broadcast to the model-parallel group."""
@@ -156,7 +154,7 @@ class PPOTrainer:
         with timer.phase("step"):
             local_prompts, offset = self.io.dp_slice(prompts)
             with timer.phase("weight_sync"):
-                self.sync_weights()
+                sync_metrics = self.sync_weights()
             with timer.phase("gen"):
                 batch = self.generate(local_prompts, offset, self.train_sampling, self.step)
                 if self.engine is not None:
@@ -173,7 +171,7 @@ class PPOTrainer:
             with timer.phase("adv"):
                 adv_metrics = self.compute_advantages(batch)
             # Worker metrics are global (identical on every rank); `skipped` marks a non-finite update.
-            metrics: dict[str, float] = {**adv_metrics}
+            metrics: dict[str, float] = {**adv_metrics, **sync_metrics}
             if self.critic is not None:
                 with timer.phase("update_critic"):
                     critic_metrics = self.critic.update(batch)

@@ -1,0 +1,129 @@
+"""Weight sync from a megatron actor (TP2xPP2, TP2, PP2, TP1; 4 CPU ranks) into the CPU rollout engine.
+
+One torchrun launch (tests/dist/weight_sync_parallel.py) runs every case. Checked against independent references:
+the HF checkpoint's safetensors (engine weights, bit for bit), the megatron actor's own log-probs of the engine's
+sequences (compute_token_logprobs, fp32, 1e-4), and the rollouts of the other layouts (same seed, same samples).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from dist_util import run_torchrun
+
+SCRIPT = Path(__file__).parent / "dist" / "weight_sync_parallel.py"
+ATOL = 1e-4
+LAYOUTS = {"tp2pp2": 1, "tp2pp1": 2, "tp1pp2": 2, "tp1pp1": 4}  # layout -> DP
+CASES = [("tp2pp2", "qwen2_untied"), ("tp2pp2", "qwen2_tied"), ("tp2pp1", "qwen2_untied"),
+         ("tp1pp2", "qwen2_untied"), ("tp1pp1", "qwen2_untied")]
+KINDS = ("sampled", "greedy")
+# Engine holders (tp_rank 0, pp_rank 0 of each DP group) in megatron's rank order (TP fastest, then DP, then PP).
+HOLDERS = {"tp2pp2": [0], "tp2pp1": [0, 2], "tp1pp2": [0, 1], "tp1pp1": [0, 1, 2, 3]}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[list[dict], Path]:
+    out = tmp_path_factory.mktemp("weight_sync")
+    results = run_torchrun(SCRIPT, 4, out, timeout=600)
+    for r in results:
+        assert "crash" not in r, r["crash"]
+    return results, out / "work"
+
+
+def _get(ranks, rank, key):
+    assert key in ranks[rank], f"{key} missing on rank {rank}"
+    return ranks[rank][key]
+
+
+def _sorted_rows(rows):
+    return sorted(rows, key=lambda row: (row[0], row[1]))
+
+
+@pytest.mark.parametrize("layout,model", CASES)
+def test_engine_weights_equal_the_hf_checkpoint_bitwise(run, layout, model):
+    ranks, work = run
+    for rank in HOLDERS[layout]:
+        assert _get(ranks, rank, f"{layout}/{model}/bitwise") == "ok", f"rank {rank}"
+    with safe_open(str(work / model / "model.safetensors"), framework="pt") as f:
+        checkpoint_bytes = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    for rank in range(4):
+        sent, buckets = _get(ranks, rank, f"{layout}/{model}/sync")
+        assert sent == checkpoint_bytes, f"rank {rank} streamed {sent} bytes, the checkpoint holds {checkpoint_bytes}"
+        assert buckets > 1
+
+
+@pytest.mark.parametrize("layout,model", CASES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_rollout_logprobs_equal_actor_logprobs(run, layout, model, kind):
+    ranks, _ = run
+    worst = max(_get(ranks, r, f"{layout}/{model}/{kind}/actor_diff") for r in range(4))
+    assert worst <= ATOL, f"{layout} {model} {kind}: max |engine - actor| log-prob = {worst}"
+
+
+def test_logprob_check_is_sensitive_to_temperature(run):
+    ranks, _ = run
+    # The engine's T=0.7 log-probs against the actor at T=1: far apart, so matching at T=0.7 above means something.
+    assert _get(ranks, 0, "tp2pp2/qwen2_untied/sampled/actor_diff_at_t1") > 100 * ATOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_same_seed_same_rollouts_across_tp_and_dp(run, layout, kind):
+    ranks, _ = run
+    reference = _sorted_rows(_get(ranks, 0, f"tp2pp2/qwen2_untied/{kind}/full_rollouts"))
+    # rank 0's engine alone over all prompts (DP1), with weights from this layout's actor (TP1 or TP2)
+    assert _sorted_rows(_get(ranks, 0, f"{layout}/qwen2_untied/{kind}/full_rollouts")) == reference
+    # the DP groups' engines, each over its slice of the prompts, together
+    pieces = [_get(ranks, r, f"{layout}/qwen2_untied/{kind}/dp_rollouts") for r in HOLDERS[layout]]
+    assert len(pieces) == LAYOUTS[layout]
+    assert all(len(p) == len(reference) // LAYOUTS[layout] for p in pieces)
+    assert _sorted_rows([row for p in pieces for row in p]) == reference
+    assert not any(f"{layout}/qwen2_untied/{kind}/dp_rollouts" in ranks[r]
+                   for r in range(4) if r not in HOLDERS[layout])
+
+
+def test_rollouts_are_really_sampled(run):
+    ranks, _ = run
+    sampled = _get(ranks, 0, "tp2pp2/qwen2_untied/sampled/full_rollouts")
+    greedy = _get(ranks, 0, "tp2pp2/qwen2_untied/greedy/full_rollouts")
+    by_prompt: dict[int, list] = {}
+    for row in sampled:
+        by_prompt.setdefault(row[0], []).append(row[2])
+    assert all(len(s) == 2 and s[0] != s[1] for s in by_prompt.values()), "the n=2 samples of a prompt must differ"
+    assert [row[2] for row in greedy] != [s[0] for s in by_prompt.values()]
+
+
+def test_sync_after_changing_an_actor_shard(run):
+    ranks, _ = run
+    key = "tp2pp2/qwen2_untied/changed"
+    # only TP rank 1's columns of the row-parallel down_proj changed, and the engine got exactly that
+    assert _get(ranks, 0, f"{key}/left_half_same") is True
+    assert _get(ranks, 0, f"{key}/right_half_changed") is True
+    assert _get(ranks, 0, f"{key}/first_logprob_shift") > 1e-2
+    worst = max(_get(ranks, r, f"{key}/actor_diff") for r in range(4))
+    assert worst <= ATOL, f"after the change: max |engine - actor| log-prob = {worst}"
+
+
+def test_benchmark_command_runs_on_a_tiny_model(tmp_path):
+    """`mppo bench weight-sync` end to end (spawns its own 4 ranks); a smoke test, it asserts no speed."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "mppo", "bench", "weight-sync", "--hidden", "64", "--layers", "2", "--heads", "4",
+           "--kv-heads", "2", "--ffn", "128", "--vocab", "512", "--repeats", "1", "--memcpy-mb", "8",
+           "--bucket-mb", "1", "--json", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "whole sync: push_actor_weights -> engine" in proc.stdout
+    result = json.loads(out.read_text())
+    # 2 layers x (qkv w+b, o, gate, up, down, 2 norms) + embed + lm_head + final norm, fp32
+    h, f, kv, v = 64, 128, 2 * 16, 512
+    layer = h * (h + 2 * kv) + (h + 2 * kv) + h * h + 3 * h * f + 2 * h
+    assert result["bytes"] == 4 * (2 * layer + 2 * v * h + h)
+    assert all(s > 0 for s in result["seconds"].values())
