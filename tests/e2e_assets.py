@@ -1,0 +1,46 @@
+"""A tiny, complete PPO run directory for end-to-end tests: countdown data, a local tokenizer, a random Qwen2."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+
+def make_assets(root: Path, *, train_size: int = 64, test_size: int = 16, hidden: int = 32,
+                layers: int = 2) -> Path:
+    """Write root/data/{train,test}.parquet and root/model (HF Qwen2 + tokenizer); return root."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from mppo.data import build_local_tokenizer, write_task
+
+    write_task("countdown", root / "data", train_size=train_size, test_size=test_size, seed=0, num_operands=3,
+               max_number=20, max_target=50)
+    rows = pq.read_table(root / "data" / "train.parquet").to_pylist()
+    texts = [r["prompt"][0]["content"] for r in rows] + [str(r["extra_info"]["solution"]) for r in rows]
+    tokenizer = build_local_tokenizer(texts, 320, root / "model")
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    Qwen2ForCausalLM(config).save_pretrained(root / "model", safe_serialization=True)
+    return root
+
+
+# Overrides that make configs/demo_cpu.yaml a seconds-long run on `root`.
+def tiny_overrides(root: Path, run_dir: Path, *, world: int, tp: int = 1, pp: int = 1, steps: int = 2,
+                   estimator: str = "gae", n: int = 1) -> list[str]:
+    return [
+        f"data.train_files={root}/data/train.parquet", f"data.val_files={root}/data/test.parquet",
+        "data.train_batch_size=8", "data.val_batch_size=16", "data.max_prompt_length=400",
+        "data.max_response_length=12", f"actor_rollout_ref.model.path={root}/model",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        f"actor_rollout_ref.rollout.n={n}", f"algorithm.adv_estimator={estimator}",
+        f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
+        f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}",
+        f"trainer.n_gpus_per_node={world}", f"trainer.total_training_steps={steps}", "trainer.test_freq=1",
+        "trainer.save_freq=1", "trainer.val_before_train=true", f"trainer.default_local_dir={run_dir}",
+        "trainer.logger=[console]",
+    ]
