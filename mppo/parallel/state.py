@@ -58,7 +58,9 @@ class ParallelDims:
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world} on {socket.gethostname()} ({self.backend}, {self.device}): "
                 f"tp {self.tp_rank}/{self.tp} pp {self.pp_rank}/{self.pp} dp {self.dp_rank}/{self.dp}"
-                + (f" vpp {self.vpp}" if self.vpp else ""))
+                + (f" vpp {self.vpp}" if self.vpp else "")
+                # torchrun's node (group) and local rank: which node a rank is on when hostnames repeat
+                + f" node {os.environ.get('GROUP_RANK', '0')} local {os.environ.get('LOCAL_RANK', '0')}")
 
 
 _dims: ParallelDims | None = None
