@@ -1,4 +1,8 @@
-"""`mppo data countdown|multiply --out DIR ...`: write a generated task's train/test parquet files."""
+"""`mppo data countdown|multiply --out DIR ...`: write a generated task's train/test parquet files.
+
+`mppo data tokenizer --data DIR --out DIR`: train a small local tokenizer on a task's texts (prompts and
+solutions), for tiny models that start from scratch (the CPU demo); no download.
+"""
 from __future__ import annotations
 
 import argparse
@@ -41,12 +45,45 @@ def build_parser() -> argparse.ArgumentParser:
     multiply = tasks.add_parser("multiply", help="multiply two integers")
     common(multiply, train_size=10_000, test_size=1_000)
     multiply.add_argument("--digits", type=int, default=3, help="operands have at most this many digits")
+
+    tokenizer = tasks.add_parser("tokenizer", help="train a byte-level BPE tokenizer on a task's parquet files")
+    tokenizer.add_argument("--data", required=True, help="directory with train.parquet (from `mppo data TASK`)")
+    tokenizer.add_argument("--out", required=True, help="directory for the HF tokenizer files")
+    tokenizer.add_argument("--vocab-size", type=int, default=512, help="including 256 byte tokens and specials")
     return parser
+
+
+def _task_texts(data_dir: str) -> list[str]:
+    """Prompt texts and their reference solutions: what the tokenizer will see in SFT and RL."""
+    import os
+
+    import pyarrow.parquet as pq
+
+    path = os.path.join(data_dir, "train.parquet")
+    if not os.path.isfile(path):
+        raise TaskGenerationError(f"no {path}; generate the task first, e.g. `mppo data countdown --out {data_dir}`")
+    texts = []
+    for row in pq.read_table(path, columns=["prompt", "extra_info"]).to_pylist():
+        texts.extend(message["content"] for message in row["prompt"])
+        solution = (row.get("extra_info") or {}).get("solution")
+        if solution is not None:
+            texts.append(str(solution))
+    return texts
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point for `mppo data ...`; `argv` are the arguments after `data`. Returns the exit status."""
     args = build_parser().parse_args(argv)
+    if args.task == "tokenizer":
+        from mppo.data.tokenizer import build_local_tokenizer
+
+        try:
+            tokenizer = build_local_tokenizer(_task_texts(args.data), args.vocab_size, args.out)
+        except TaskGenerationError as err:
+            print(f"mppo data tokenizer: {err}", file=sys.stderr)
+            return 2
+        print(f"wrote a {len(tokenizer)}-token tokenizer to {args.out}")
+        return 0
     if args.task == "countdown":
         options = {"num_operands": args.num_operands, "min_number": args.min_number,
                    "max_number": args.max_number, "max_target": args.max_target}

@@ -1,0 +1,25 @@
+"""`mppo data countdown` then `mppo data tokenizer`: a tokenizer that round-trips the task's own texts."""
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+
+from mppo.data import load_tokenizer
+from mppo.data.cli import main
+
+
+def test_task_then_tokenizer_round_trip(tmp_path, capsys):
+    data, tok = tmp_path / "data", tmp_path / "tok"
+    assert main(["countdown", "--out", str(data), "--train-size", "40", "--test-size", "8", "--max-number", "20",
+                 "--max-target", "50"]) == 0
+    assert main(["tokenizer", "--data", str(data), "--out", str(tok), "--vocab-size", "300"]) == 0
+    tokenizer = load_tokenizer(tok)
+    assert len(tokenizer) == 300
+    row = pq.read_table(data / "test.parquet").to_pylist()[0]
+    text = row["prompt"][0]["content"]
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    assert tokenizer.eos_token == "<|endoftext|>"
+
+
+def test_tokenizer_without_task_data_names_the_fix(tmp_path, capsys):
+    assert main(["tokenizer", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "tok")]) == 2
+    assert "mppo data countdown --out" in capsys.readouterr().err
