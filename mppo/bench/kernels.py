@@ -99,9 +99,9 @@ def worker(impl: str, n: int, h: int, vocab: int, device: str, warmup: int, repe
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    return {"impl": impl, "n": n, "h": h, "vocab": vocab, "device": device, "dtype": str(dtype).replace("torch.", ""),
-            "time_s": min(times), "cpu_s": min(cpu_times), "extra_bytes": peak - base - grad_bytes, "log_prob_sum": lp_sum,
-            "entropy_sum": ent_sum}
+    return {"impl": impl, "n": n, "h": h, "vocab": vocab, "device": device,
+            "dtype": str(dtype).replace("torch.", ""), "time_s": min(times), "cpu_s": min(cpu_times),
+            "extra_bytes": peak - base - grad_bytes, "log_prob_sum": lp_sum, "entropy_sum": ent_sum}
 
 
 def _available(impl: str, device: str) -> Optional[str]:
