@@ -50,8 +50,19 @@ def test_engine_weights_equal_the_hf_checkpoint_bitwise(run, layout, model):
         checkpoint_bytes = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
     for rank in range(4):
         sent, buckets = _get(ranks, rank, f"{layout}/{model}/sync")
-        assert sent == checkpoint_bytes, f"rank {rank} streamed {sent} bytes, the checkpoint holds {checkpoint_bytes}"
-        assert buckets > 1
+        if rank in HOLDERS[layout]:
+            assert sent == checkpoint_bytes, f"rank {rank} got {sent} bytes, the checkpoint holds {checkpoint_bytes}"
+            assert buckets > 1
+        else:  # only engine ranks are destinations: the others send their shards and receive nothing
+            assert (sent, buckets) == (0, 0), f"rank {rank} holds no engine but was streamed {sent} bytes"
+
+
+@pytest.mark.parametrize("layout,model", CASES)
+def test_cpu_engine_keeps_the_staged_tensors_as_its_weights(run, layout, model):
+    """gloo ranks on one host: the sync is staged in shared memory and the engine adopts it (no second copy)."""
+    ranks, _ = run
+    for rank in HOLDERS[layout]:
+        assert _get(ranks, rank, f"{layout}/{model}/adopted") is True, f"rank {rank}"
 
 
 @pytest.mark.parametrize("layout,model", CASES)
@@ -116,7 +127,7 @@ def test_benchmark_command_runs_on_a_tiny_model(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "mppo", "bench", "weight-sync", "--hidden", "64", "--layers", "2", "--heads", "4",
            "--kv-heads", "2", "--ffn", "128", "--vocab", "512", "--repeats", "1", "--memcpy-mb", "8",
-           "--bucket-mb", "1", "--json", str(out)]
+           "--bucket-mb", "1", "--collective-all", "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -127,3 +138,71 @@ def test_benchmark_command_runs_on_a_tiny_model(tmp_path):
     layer = h * (h + 2 * kv) + (h + 2 * kv) + h * h + 3 * h * f + 2 * h
     assert result["bytes"] == 4 * (2 * layer + 2 * v * h + h)
     assert all(s > 0 for s in result["seconds"].values())
+
+
+def test_staging_another_model_to_the_engine_rank_leaves_the_engine_alone(run):
+    """Staging buffers are per model: a second model exported to rank 0 must not rewrite the weights the engine
+    kept from the actor's buffer."""
+    ranks, _ = run
+    assert _get(ranks, 0, "tp2pp2/qwen2_untied/bitwise_after_other_model") == "ok"
+
+
+# ------------------------------------------------------------------------------------ transports and destinations
+TRANSPORT_LAYOUTS = ("tp2pp2", "tp2pp1", "tp1pp2")
+# case -> (destinations as "all" / "leader" / "last" / "two", what a destination must see)
+TRANSPORT_CASES = {
+    "collective_all": ("all", "ok/fresh"), "auto_all": ("all", "ok/fresh"),
+    "collective_last": ("last", "ok/fresh"), "collective_two": ("two", "ok/fresh"),
+    "auto_last": ("last", "ok/staged"), "shm_leader": ("leader", "ok/staged"),
+    "shm_two": ("two", "ok/staged"), "shm_all": ("all", "ok/staged"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRANSPORT_CASES))
+@pytest.mark.parametrize("layout", TRANSPORT_LAYOUTS)
+def test_every_transport_gives_destinations_the_hf_checkpoint_and_others_nothing(run, layout, case):
+    """iter_hf_weights(destinations=..., transport=...) against the HF safetensors, bit for bit and in HF order;
+    ranks that are not destinations get an empty stream. Shared memory and collectives agree because both equal
+    the checkpoint."""
+    ranks, _ = run
+    who, want = TRANSPORT_CASES[case]
+    key = f"{layout}/qwen2_untied/transport"
+    for rank in range(4):
+        group = _get(ranks, rank, f"{key}/group")
+        chosen = {"all": group, "leader": group[:1], "last": group[-1:], "two": [group[0], group[-1]]}[who]
+        got = _get(ranks, rank, f"{key}/{case}")
+        assert got == (want if rank in chosen else "empty"), f"{case} rank {rank} (group {group}): {got}"
+
+
+@pytest.mark.parametrize("case", ["shm_bf16", "collective_bf16"])
+def test_transports_cast_like_the_checkpoint_cast(run, case):
+    ranks, _ = run
+    for rank in range(4):
+        last = _get(ranks, rank, "tp2pp2/qwen2_untied/transport/group")[-1]
+        want = ("ok/staged" if case.startswith("shm") else "ok/fresh") if rank == last else "empty"
+        assert _get(ranks, rank, f"tp2pp2/qwen2_untied/transport/{case}") == want, f"rank {rank}"
+
+
+def test_staging_leaves_no_files_or_mappings_behind(run):
+    """Segments are unlinked as soon as every rank mapped them: after an export, after a consumer failed
+    mid-stream, and after a setup failed; releasing the buffers unmaps them; exports after each failure are right."""
+    ranks, _ = run
+    key = "tp2pp2/qwen2_untied/life"
+    for rank in range(4):
+        assert _get(ranks, rank, f"{key}/first") == ("ok/staged" if rank == 0 else "empty")
+        assert _get(ranks, rank, f"{key}/mapped") is True, f"rank {rank}: no staging segment mapped"
+        for when in ("files_after_export", "files_after_error", "files_after_setup_error"):
+            assert _get(ranks, rank, f"{key}/{when}") == [], f"rank {rank} {when}"
+        assert _get(ranks, rank, f"{key}/unmapped_after_release") is True, f"rank {rank}"
+        for when in ("after_error", "after_setup_error"):
+            assert _get(ranks, rank, f"{key}/{when}") == ("ok/staged" if rank == 0 else "empty"), f"{when} {rank}"
+    assert _get(ranks, 0, f"{key}/consumed_before_error") == 3
+
+
+def test_staging_setup_failure_is_one_clear_error_on_every_rank(run):
+    """/dev/shm too small on the destination: every rank raises StagingError naming the fix (none hangs)."""
+    ranks, _ = run
+    for rank in range(4):
+        message = _get(ranks, rank, "tp2pp2/qwen2_untied/life/setup_error")
+        assert "rank 0" in message and "free but the weight staging buffer needs" in message, message
+        assert "--shm-size" in message and "transport='collective'" in message

@@ -2,17 +2,16 @@
 
 A random Qwen2-architecture megatron actor (fp32, a few hundred MB) is built on TP x PP CPU ranks (gloo) that this
 command spawns itself; global rank 0 holds a CPURolloutEngine. One sync is
-`mppo.rollout.weight_sync.push_actor_weights`: the exporter's TP all-gathers and PP broadcasts, un-fusing, bucketing,
-and the engine's copy into its own weights. Its rate (model bytes / wall seconds, median over --repeats) is set
-against memcpy bandwidth (bytes copied / second by a large tensor copy_), measured on rank 0 between the repeats
-(so under the same load) with one thread and with all threads.
+`mppo.rollout.weight_sync.push_actor_weights`: with gloo ranks on one host, every rank writes its shards in HF
+layout into rank 0's shared-memory staging buffer (mppo.models.weight_transport) and the engine keeps the staged
+tensors as its weights. Its rate (model bytes / wall seconds, median over --repeats) is set against memcpy
+bandwidth (bytes copied / second by a large tensor copy_), measured on rank 0 between the repeats (so under the
+same load) with one thread and with all threads.
 
-Where the time goes: the same sync with no engine (export only) and the time spent inside its gloo all-gather and
-broadcast calls; the engine's load from tensors already in memory; the raw rates of the collectives; and the
-ceiling of a shared-memory handoff (every rank copies its shards into a shared segment, rank 0 copies them out),
-which is what a host-local transport could reach without gloo's TCP loopback.
+Where the time goes: the staged export alone (no engine), the engine's load when it must copy (tensors already in
+memory), and the same export by gloo collectives, to rank 0 and (--collective-all) to every rank as before staging.
 
-The CPU path only (CUDA is hidden from the ranks): on GPUs the sync is SGLang's CUDA-IPC path, not this one.
+The CPU path only (CUDA is hidden from the ranks): on GPUs the sync is NCCL and SGLang's CUDA-IPC path, not this one.
 """
 from __future__ import annotations
 
@@ -24,9 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 GB = 1e9
 
@@ -45,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads-per-rank", type=int, default=1, help="torch intra-op threads in each rank")
     p.add_argument("--memcpy-mb", type=int, default=512, help="size of the tensor copied to measure memcpy")
+    p.add_argument("--collective-all", action="store_true",
+                   help="also time the export to every rank by collectives (the transport before staging; slow)")
     p.add_argument("--json", type=Path, default=None, help="also write the measurements to this file")
     return p
 
@@ -92,42 +91,6 @@ def memcpy_bandwidth(nbytes: int, threads: int, repeats: int = 5) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ ranks
-class CollectiveTimer:
-    """Wall time spent inside torch.distributed.all_gather / broadcast calls while `active` (profiling only).
-
-    The exporter calls them through the `torch.distributed` module, so wrapping the module attributes sees them.
-    """
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-
-        self.seconds = {"all_gather": 0.0, "broadcast": 0.0}
-        self.active = False
-        for name in self.seconds:
-            setattr(dist, name, self._wrap(name, getattr(dist, name)))
-
-    def _wrap(self, name, fn):
-        def timed(*args, **kwargs):
-            if not self.active:
-                return fn(*args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[name] += time.perf_counter() - start
-        return timed
-
-    @contextmanager
-    def measure(self) -> Iterator[dict[str, float]]:
-        for name in self.seconds:
-            self.seconds[name] = 0.0
-        self.active = True
-        try:
-            yield self.seconds
-        finally:
-            self.active = False
-
-
 def _timed(fn) -> float:
     """Wall seconds of a collective step, from the barrier before it to the barrier after it."""
     import torch.distributed as dist
@@ -139,85 +102,10 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _collective_rates(nbytes: int, repeats: int) -> dict[str, float]:
-    """Raw rates of the exporter's collectives on this layout's groups, for an nbytes tensor: all-gather over TP
-    (bytes each rank receives / s), the same all-gather done as one broadcast per TP rank, broadcast over PP."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    out = {}
-    shard = torch.ones(nbytes // 4)
-    tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
-    if tp > 1:
-        parts = [torch.empty_like(shard) for _ in range(tp)]
-        times = [_timed(lambda: dist.all_gather(parts, shard, group=tp_group)) for _ in range(repeats)]
-        out["all_gather_Bps"] = nbytes * (tp - 1) / statistics.median(times)
-
-        def by_broadcasts():
-            for i, part in enumerate(parts):
-                dist.broadcast(part, src=dist.get_global_rank(tp_group, i), group=tp_group)
-        times = [_timed(by_broadcasts) for _ in range(repeats)]
-        out["all_gather_by_broadcasts_Bps"] = nbytes * (tp - 1) / statistics.median(times)
-    pp_group, pp = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_world_size()
-    if pp > 1:
-        src = dist.get_global_rank(pp_group, 0)
-        times = [_timed(lambda: dist.broadcast(shard, src=src, group=pp_group)) for _ in range(repeats)]
-        out["broadcast_Bps"] = nbytes / statistics.median(times)
-    return out
-
-
-class SharedMemoryHandoff:
-    """The transport ceiling for a host-local engine, without gloo: every rank copies its parameter bytes into its
-    own persistent shared-memory segment, then rank 0 copies all segments into `landing` (standing in for the
-    engine's resident weights). No un-fusing (a real transport would un-fuse during that last copy)."""
-
-    def __init__(self, chunks, tag: str, landing) -> None:
-        from multiprocessing import shared_memory
-
-        import torch
-        import torch.distributed as dist
-
-        self.rank, world = dist.get_rank(), dist.get_world_size()
-        self.params = [p.detach().reshape(-1).view(torch.uint8) for c in chunks for p in c.parameters()]
-        sizes: list = [None] * world
-        dist.all_gather_object(sizes, sum(p.numel() for p in self.params))
-        self.nbytes = sum(sizes)
-        self.own = shared_memory.SharedMemory(create=True, size=sizes[self.rank], name=f"{tag}_{self.rank}")
-        dist.barrier()
-        self.peers = [shared_memory.SharedMemory(name=f"{tag}_{r}") for r in range(1, world)] if self.rank == 0 else []
-        dist.barrier()
-        self.own.unlink()  # every mapping is in place: the name can go now, so nothing leaks if a rank dies
-        self.landing = landing
-        self.run()  # first touch of every page, outside the timings
-
-    def run(self) -> None:
-        import torch
-        import torch.distributed as dist
-
-        own = torch.frombuffer(self.own.buf, dtype=torch.uint8)
-        offset = 0
-        for p in self.params:
-            own[offset:offset + p.numel()].copy_(p)
-            offset += p.numel()
-        dist.barrier()
-        del own
-        if self.rank == 0:
-            offset = 0
-            for segment in [self.own, *self.peers]:
-                src = torch.frombuffer(segment.buf, dtype=torch.uint8)
-                self.landing[offset:offset + src.numel()].copy_(src)
-                offset += src.numel()
-                del src
-
-    def close(self) -> None:
-        for segment in (*self.peers, self.own):
-            segment.close()
-
-
 def rank_main(rank: int, world: int, port: int, opts: dict, out_file: str) -> None:
-    """One spawned rank: build the actor, then per repeat: whole sync, export only, engine load only, shared-memory
-    ceiling, memcpy (rank 0, while the others wait). Rank 0 writes the timings."""
+    """One spawned rank: build the actor, then per repeat: the whole sync, the export alone (staged and by
+    collectives), the engine's copy of tensors already in memory, and memcpy (rank 0, while the others wait).
+    Rank 0 writes the timings."""
     # CUDA_VISIBLE_DEVICES: CUDA initialises lazily, so this keeps init_distributed on gloo/CPU on a GPU machine
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
@@ -228,41 +116,45 @@ def rank_main(rank: int, world: int, port: int, opts: dict, out_file: str) -> No
 
     from mppo.models.builders import build_gpt_model
     from mppo.models.hf_config import read_hf_config
-    from mppo.models.weights import bucketed
+    from mppo.models.weight_transport import release_staging_buffers
+    from mppo.models.weights import bucketed, iter_hf_weights
     from mppo.parallel import init_distributed
     from mppo.rollout.weight_sync import push_actor_weights
 
-    timer = CollectiveTimer()
     dims = init_distributed(opts["tp"], opts["pp"], seed=0)
     args = read_hf_config(opts["config"])
     chunks = build_gpt_model(args, dims, role="actor")
     bucket = opts["bucket_mb"] << 20
-    engine, held, landing = None, {}, None
+    engine, held = None, {}
     if rank == 0:
         from transformers import Qwen2Config
 
         from mppo.rollout.cpu_engine import CPURolloutEngine
 
         engine = CPURolloutEngine(Qwen2Config(**opts["config"]))
-    push_actor_weights(engine, chunks, args, bucket)  # warm-up: first touch of the engine's weights
-    if rank == 0:  # the same stream already in memory (engine-only timing), and the shared-memory landing zone
+    push_actor_weights(engine, chunks, args, bucket)  # warm-up: sets up the staging buffer, first page touches
+    if rank == 0:  # the same stream already in private memory, for the engine-only (copying) timing
         held = {name: tensor.clone() for name, tensor in engine.state_dict().items()}
-        landing = torch.ones(sum(p.numel() * p.element_size() for p in engine.state_dict().values()) + (64 << 20),
-                             dtype=torch.uint8)
-    handoff = SharedMemoryHandoff(chunks, f"mppo_bench_{port}", landing)
 
-    rows: dict[str, list[float]] = {k: [] for k in ("sync", "export", "all_gather", "broadcast", "load", "shm")}
+    last: dict = {}
+
+    def sync() -> None:
+        last["stats"] = push_actor_weights(engine, chunks, args, bucket)
+
+    def drain(**kwargs) -> None:
+        for _ in iter_hf_weights(chunks, args, destinations=[0], **kwargs):
+            pass
+
+    rows: dict[str, list[float]] = {k: [] for k in ("sync", "export", "collective", "collective_all", "load")}
     memcpy: dict[str, list[float]] = {"1": [], "all": []}
     nbytes = 0
     for _ in range(opts["repeats"]):
-        stats = []
-        rows["sync"].append(_timed(lambda: stats.append(push_actor_weights(engine, chunks, args, bucket))))
-        nbytes = stats[0].bytes
-        with timer.measure() as inside:
-            rows["export"].append(_timed(lambda: push_actor_weights(None, chunks, args, bucket)))
-        rows["all_gather"].append(inside["all_gather"])
-        rows["broadcast"].append(inside["broadcast"])
-        rows["shm"].append(_timed(handoff.run))
+        rows["sync"].append(_timed(sync))
+        nbytes = last["stats"].bytes
+        rows["export"].append(_timed(drain))
+        rows["collective"].append(_timed(lambda: drain(transport="collective")))
+        if opts["collective_all"]:
+            rows["collective_all"].append(_timed(lambda: [None for _ in iter_hf_weights(chunks, args)]))
         if rank == 0:
             start = time.perf_counter()
             engine.update_weights(bucketed(held.items(), bucket))
@@ -270,13 +162,14 @@ def rank_main(rank: int, world: int, port: int, opts: dict, out_file: str) -> No
             memcpy["1"].append(memcpy_bandwidth(opts["memcpy_mb"] << 20, 1))
             memcpy["all"].append(memcpy_bandwidth(opts["memcpy_mb"] << 20, _cpu_threads()))
         dist.barrier()
-    handoff.close()
-    collectives = _collective_rates(64 << 20, max(2, opts["repeats"]))
+    sync()  # the engine ends on synced weights, as a trainer's would
     if rank == 0:
         Path(out_file).write_text(json.dumps({
-            "bytes": nbytes, "shm_bytes": handoff.nbytes, "raw_seconds": rows, "raw_memcpy_Bps": memcpy,
+            "bytes": nbytes, "raw_seconds": rows, "raw_memcpy_Bps": memcpy,
             "seconds": {k: statistics.median(v) for k, v in rows.items() if v},
-            "memcpy_Bps": {k: statistics.median(v) for k, v in memcpy.items()}, **collectives}))
+            "memcpy_Bps": {k: statistics.median(v) for k, v in memcpy.items()}}))
+    engine = held = None  # drop the engine's staged weights before the buffers
+    release_staging_buffers()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -305,16 +198,10 @@ def render(result: dict, all_threads: int) -> str:
             f"{f'vs {all_threads} thr':>11}")
     lines = [head, "-" * len(head),
              line("whole sync: push_actor_weights -> engine", "sync"),
-             line("  export only (no engine, stream drained)", "export"),
-             line("    of which inside TP all-gather (gloo)", "all_gather", None),
-             line("    of which inside PP broadcast (gloo)", "broadcast", None),
-             line("  engine load only (stream already in RAM)", "load"),
-             line("shared-memory handoff ceiling (no un-fusing)", "shm", result["shm_bytes"])]
-    for key, label in (("all_gather_Bps", "raw gloo all-gather, TP, 64 MiB (B recv/s)"),
-                       ("all_gather_by_broadcasts_Bps", "raw all-gather as TP broadcasts, 64 MiB"),
-                       ("broadcast_Bps", "raw gloo broadcast, PP, 64 MiB")):
-        if key in result:
-            lines.append(f"{label:<46} {'':>8}" + rate_cols(result[key]))
+             line("  export only, shared-memory staging (auto)", "export"),
+             line("  engine load by copying (stream in RAM)", "load"),
+             line("export to rank 0 by gloo collectives", "collective"),
+             line("export to every rank by gloo collectives", "collective_all")]
     return "\n".join(lines)
 
 
@@ -332,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     all_threads = _cpu_threads()
     world = opts.tp * opts.pp
     rank_opts = dict(tp=opts.tp, pp=opts.pp, bucket_mb=opts.bucket_mb, repeats=opts.repeats,
-                     threads_per_rank=opts.threads_per_rank, memcpy_mb=opts.memcpy_mb, config=config)
+                     threads_per_rank=opts.threads_per_rank, memcpy_mb=opts.memcpy_mb, config=config,
+                     collective_all=opts.collective_all)
     with tempfile.TemporaryDirectory() as tmp:
         out_file = str(Path(tmp) / "rank0.json")
         mp.start_processes(rank_main, args=(world, _free_port(), rank_opts, out_file), nprocs=world,

@@ -1,94 +1,32 @@
-"""HF <-> Megatron weights. One exporter feeds both the rollout weight sync and `mppo convert`.
+"""HF <-> Megatron weights. One exporter feeds the rollout weight sync, `mppo convert` and HF checkpoints.
 
-Layout differences handled here (megatron-core names, HF Qwen2/Llama names):
-- linear_qkv = per key/value group g: [q heads of g; k_g; v_g]; TP splits whole groups.
-- linear_fc1 = [gate; up], and TP splits gate and up separately: rank r holds [gate_r; up_r].
-- linear_proj / linear_fc2 are row-parallel (TP splits the input dimension); norms are replicated.
-- embedding / output layer hold the padded vocabulary (mppo.models.vocab), split by rows over TP.
-- Transformer Engine fuses the input norms into linear_qkv / linear_fc1 (`layer_norm_weight`); both namings map.
-- critic: output_layer.{weight,bias} <-> HF `score.{weight,bias}` (AutoModelForTokenClassification, 1 label).
+The layout mapping (names, TP sharding, fused QKV / gate-up, vocabulary padding) is mppo.models.weight_rules.
 
 HF -> Megatron (`load_hf_weights`) reads only this rank's slices from the safetensors files, tensor by tensor.
-Megatron -> HF (`iter_hf_weights`) yields full HF tensors one at a time: the owning PP stage all-gathers its TP
-shards, un-fuses them, strips vocab padding, and broadcasts each tensor to the other PP stages.
+Megatron -> HF (`iter_hf_weights`, from mppo.models.weight_export) yields full HF tensors on the destination ranks,
+by collectives (any backend) or, for gloo ranks on one host, through shared-memory staging
+(mppo.models.weight_transport).
 """
 from __future__ import annotations
 
 import json
-import re
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from mppo.models.atomic import atomic_directory
-from mppo.models.builders import ValueHead, unwrap_model
+from mppo.models.builders import unwrap_model
 from mppo.models.hf_config import HFModelArgs
+from mppo.models.weight_export import iter_hf_weights
+from mppo.models.weight_rules import WeightRule, read_shard, tp_layout, weight_rule
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
                    "generation_config.json")
-
-# megatron layer-local suffix -> (how it is sharded/fused, HF suffixes under model.layers.{L}.)
-_LAYER_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "input_layernorm.weight": ("replicated", ("input_layernorm.weight",)),
-    "self_attention.linear_qkv.layer_norm_weight": ("replicated", ("input_layernorm.weight",)),
-    "self_attention.linear_qkv.weight": (
-        "qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
-    "self_attention.linear_qkv.bias": (
-        "qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")),
-    "self_attention.linear_proj.weight": ("row", ("self_attn.o_proj.weight",)),
-    "pre_mlp_layernorm.weight": ("replicated", ("post_attention_layernorm.weight",)),
-    "mlp.linear_fc1.layer_norm_weight": ("replicated", ("post_attention_layernorm.weight",)),
-    "mlp.linear_fc1.weight": ("fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
-    "mlp.linear_fc2.weight": ("row", ("mlp.down_proj.weight",)),
-}
-_LAYER_ORDER = {suffix: i for i, suffix in enumerate(_LAYER_RULES)}
-_LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
-
-
-@dataclass(frozen=True)
-class WeightRule:
-    """How one megatron parameter relates to HF tensors. `order` sorts parameters into HF order."""
-
-    kind: str  # replicated | vocab | row | qkv | fc1
-    hf_names: tuple[str, ...]
-    order: tuple[int, int, int]
-
-
-def weight_rule(model: nn.Module, name: str) -> WeightRule | None:
-    """The rule for parameter `name` of a GPTModel chunk; None for a tied output layer (a copy of the embedding).
-
-    Layer indices in `name` are chunk-local; the HF name uses the global layer (megatron's 1-based layer_number).
-    """
-    tied = getattr(model, "share_embeddings_and_output_weights", False)
-    if name == "embedding.word_embeddings.weight":
-        return WeightRule("vocab", ("model.embed_tokens.weight",), (0, 0, 0))
-    if name == "decoder.final_layernorm.weight":
-        return WeightRule("replicated", ("model.norm.weight",), (2, 0, 0))
-    if isinstance(getattr(model, "output_layer", None), ValueHead):
-        if name in ("output_layer.weight", "output_layer.bias"):
-            return WeightRule("replicated", ("score." + name.split(".")[-1],), (3, 0, int(name.endswith("bias"))))
-    if name == "output_layer.weight":
-        return None if tied else WeightRule("vocab", ("lm_head.weight",), (3, 0, 0))
-    match = _LAYER_RE.fullmatch(name)
-    if match and match.group(2) in _LAYER_RULES:
-        layer = model.decoder.layers[int(match.group(1))].layer_number - 1
-        kind, suffixes = _LAYER_RULES[match.group(2)]
-        return WeightRule(kind, tuple(f"model.layers.{layer}.{s}" for s in suffixes),
-                          (1, layer, _LAYER_ORDER[match.group(2)]))
-    raise KeyError(f"no HF mapping for megatron parameter {name!r}")
-
-
-def _tp() -> tuple[int, int, dist.ProcessGroup]:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), \
-        ps.get_tensor_model_parallel_group()
 
 
 # ---------------------------------------------------------------------------------------------- HF -> Megatron
@@ -131,46 +69,13 @@ class SafetensorsCheckpoint:
         self._stack.close()
 
 
-def _read_shard(ckpt: SafetensorsCheckpoint, rule: WeightRule, args: HFModelArgs, param: torch.Tensor,
-                tp_rank: int, tp: int) -> torch.Tensor:
-    """This TP rank's shard of `param`, read from the HF tensors."""
-    if rule.kind == "replicated":
-        return ckpt.slice(rule.hf_names[0])[:]
-    if rule.kind == "vocab":
-        rows = param.shape[0]
-        start = tp_rank * rows
-        real = max(0, min(rows, args.vocab_size - start))
-        out = torch.zeros(param.shape, dtype=param.dtype)
-        if real:
-            out[:real] = ckpt.slice(rule.hf_names[0])[start:start + real]
-        return out
-    if rule.kind == "row":
-        cols = param.shape[1]
-        return ckpt.slice(rule.hf_names[0])[:, tp_rank * cols:(tp_rank + 1) * cols]
-    if rule.kind == "fc1":
-        rows = param.shape[0] // 2
-        gate, up = (ckpt.slice(n)[tp_rank * rows:(tp_rank + 1) * rows] for n in rule.hf_names)
-        return torch.cat([gate, up])
-    if rule.kind == "qkv":
-        d, qpg = args.head_dim, args.heads_per_group
-        groups = args.num_query_groups // tp
-        g0 = tp_rank * groups
-        q = ckpt.slice(rule.hf_names[0])[g0 * qpg * d:(g0 + groups) * qpg * d]
-        k, v = (ckpt.slice(n)[g0 * d:(g0 + groups) * d] for n in rule.hf_names[1:])
-        rest = tuple(q.shape[1:])
-        fused = torch.cat([q.reshape(groups, qpg * d, *rest), k.reshape(groups, d, *rest),
-                           v.reshape(groups, d, *rest)], dim=1)
-        return fused.reshape(-1, *rest)
-    raise ValueError(f"unknown weight kind {rule.kind!r}")
-
-
 def load_hf_weights(model_chunks: Sequence[nn.Module], hf_dir: str | Path, args: HFModelArgs) -> None:
     """Copy an HF checkpoint into this rank's TP/PP shards, streaming one tensor slice at a time.
 
     A tied output layer on the last stage (PP > 1) loads the embedding. A critic's value head loads HF
     `score.weight`/`score.bias` when present (a critic checkpoint) and otherwise keeps its zero initialisation.
     """
-    tp_rank, tp, _ = _tp()
+    tp_rank, tp, _ = tp_layout()
     ckpt = SafetensorsCheckpoint(hf_dir)
     try:
         with torch.no_grad():
@@ -182,7 +87,7 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], hf_dir: str | Path, args:
                         rule = WeightRule("vocab", ("model.embed_tokens.weight",), (3, 0, 0))
                     if rule.hf_names[0].startswith("score.") and rule.hf_names[0] not in ckpt:
                         continue
-                    shard = _read_shard(ckpt, rule, args, param, tp_rank, tp)
+                    shard = read_shard(ckpt, rule, args, param, tp_rank, tp)
                     if tuple(shard.shape) != tuple(param.shape):
                         raise ValueError(
                             f"{name}: HF tensors {rule.hf_names} give shape {tuple(shard.shape)} at tp rank "
@@ -190,91 +95,6 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], hf_dir: str | Path, args:
                     param.copy_(shard)
     finally:
         ckpt.close()
-
-
-# ---------------------------------------------------------------------------------------------- Megatron -> HF
-def _full_shapes(rule: WeightRule, local: torch.Size, args: HFModelArgs, tp: int) -> list[tuple[int, ...]]:
-    rest = tuple(local[1:])
-    if rule.kind == "replicated":
-        return [tuple(local)]
-    if rule.kind == "vocab":
-        return [(args.vocab_size, *rest)]
-    if rule.kind == "row":
-        return [(local[0], local[1] * tp)]
-    if rule.kind == "fc1":
-        return [(local[0] // 2 * tp, *rest)] * 2
-    d, groups = args.head_dim, args.num_query_groups
-    return [(args.num_attention_heads * d, *rest), (groups * d, *rest), (groups * d, *rest)]
-
-
-def _unshard(rule: WeightRule, shards: list[torch.Tensor], args: HFModelArgs) -> list[torch.Tensor]:
-    """Full HF tensors from the TP shards of one megatron parameter (shards in TP rank order)."""
-    if rule.kind == "replicated":
-        return [shards[0]]
-    if rule.kind == "vocab":
-        return [torch.cat(shards)[:args.vocab_size]]
-    if rule.kind == "row":
-        return [torch.cat(shards, dim=1)]
-    if rule.kind == "fc1":
-        halves = [s.chunk(2) for s in shards]
-        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
-    d, qpg = args.head_dim, args.heads_per_group
-    full = torch.cat(shards)
-    rest = tuple(full.shape[1:])
-    grouped = full.reshape(args.num_query_groups, (qpg + 2) * d, *rest)
-    q, k, v = grouped.split([qpg * d, d, d], dim=1)
-    return [q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)]
-
-
-def iter_hf_weights(model_chunks: Sequence[nn.Module], args: HFModelArgs, *,
-                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, full_tensor)` in HF order on EVERY rank (collective: all ranks must consume it all).
-
-    Tensors live on the model's device, in `dtype` if given (else the parameter dtype). Only one megatron
-    parameter's worth of full tensors exists at a time.
-    """
-    from megatron.core import parallel_state as ps
-
-    tp_rank, tp, tp_group = _tp()
-    pp_group, pp = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_world_size()
-    pp_rank = ps.get_pipeline_model_parallel_rank()
-
-    local: dict[tuple[int, int, int], tuple[WeightRule, torch.Tensor]] = {}
-    plan = []  # (order, pp_rank, hf_names, full shapes, dtype name), the same on every rank after the gather
-    for chunk in model_chunks:
-        model = unwrap_model(chunk)
-        for name, param in model.named_parameters():
-            rule = weight_rule(model, name)
-            if rule is None:
-                continue
-            local[rule.order] = (rule, param)
-            out_dtype = dtype or param.dtype
-            plan.append((rule.order, pp_rank, rule.hf_names, _full_shapes(rule, param.shape, args, tp),
-                         str(out_dtype).removeprefix("torch.")))
-    if pp > 1:
-        gathered: list = [None] * pp
-        dist.all_gather_object(gathered, plan, group=pp_group)
-        plan = [entry for stage in gathered for entry in stage]
-    plan.sort(key=lambda entry: entry[0])
-
-    device = next(iter(local.values()))[1].device
-    for order, owner, hf_names, shapes, dtype_name in plan:
-        out_dtype = getattr(torch, dtype_name)
-        if owner == pp_rank:
-            rule, param = local[order]
-            shard = param.detach()
-            if tp > 1:
-                shards = [torch.empty_like(shard) for _ in range(tp)]
-                dist.all_gather(shards, shard.contiguous(), group=tp_group)
-            else:
-                shards = [shard]
-            tensors = [t.to(out_dtype).contiguous() for t in _unshard(rule, shards, args)]
-        else:
-            tensors = [torch.empty(shape, dtype=out_dtype, device=device) for shape in shapes]
-        for hf_name, tensor in zip(hf_names, tensors):
-            if pp > 1:
-                dist.broadcast(tensor, src=dist.get_global_rank(pp_group, owner), group=pp_group)
-            yield hf_name, tensor
 
 
 def bucketed(named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -288,7 +108,7 @@ def bucketed(named_tensors: Iterable[tuple[str, torch.Tensor]],
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
@@ -363,3 +183,7 @@ def _finish_hf_dir(tmp: Path, shard_files: list[tuple[str, list[str]]], total: i
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     write_hf_metadata(tmp, args, tokenizer_dir, dtype)
+
+
+__all__ = ["TOKENIZER_FILES", "SafetensorsCheckpoint", "bucketed", "iter_hf_weights", "load_hf_weights",
+           "save_hf_checkpoint", "write_hf_metadata"]

@@ -8,6 +8,11 @@ bitwise the same whatever else is in the batch.
 Stopping: a sample ends at any of `stop_token_ids` or the config's `eos_token_id` (SGLang also stops at the
 model config's eos ids), or after `max_new_tokens` ("length"). The KV cache lives only inside a generate() call,
 so release() frees the weights (their storage is dropped) and there is no cross-call prefix cache to flush.
+
+Weights: tensors the exporter staged in shared memory (gloo ranks on one host, `is_staged`) are kept as the weights
+themselves, without a copy; anything else is copied in. Kept staged weights live in the exporter's staging buffer,
+which the next sync rewrites in place and which stays allocated across release() (the exporter reuses it; free it
+with mppo.models.weight_transport.release_staging_buffers() on every rank once the engine has released).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from collections.abc import Iterator
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from mppo.models.weight_transport import is_staged
 from mppo.rollout.base import NamedTensor, RolloutEngine, RolloutResponse, SamplingParams
 from mppo.rollout.cpu_model import PackedCausalLM, SequenceKV, check_supported
 from mppo.rollout.sampling import choose_tokens
@@ -59,24 +65,35 @@ class CPURolloutEngine(RolloutEngine):
         received: dict[int, str] = {}  # id(parameter) -> name it was loaded from in this update
         with torch.no_grad():
             for bucket in buckets:
-                for name, tensor in bucket:
-                    param = self._lookup(name, tensor)
-                    first = received.get(id(param))
-                    if first is None:
-                        param.copy_(tensor)
-                        received[id(param)] = name
-                    elif first == name:
-                        raise ValueError(f"update_weights: weight {name!r} was sent twice in one update")
-                    elif not torch.equal(param, tensor.to(param.dtype)):
-                        raise ValueError(
-                            f"update_weights: {name!r} is tied to {first!r} in this model but the stream gave them "
-                            "different values"
-                        )
+                # CPU tensors only: skip the CPU-compat torch-function modes (mppo.parallel.cpu_compat), which add
+                # microseconds of Python to every tensor call and only rewrite CUDA arguments.
+                with torch._C.DisableTorchFunction():
+                    for name, tensor in bucket:
+                        self._load_one(name, tensor, received)
         missing = [n for n in self._canonical_names if id(self._params_by_name[n]) not in received]
         if missing:
             raise KeyError(
                 f"update_weights: the stream lacked {len(missing)} of the model's weights, e.g. {missing[:5]}; "
                 "every update must carry the full model"
+            )
+
+    def _load_one(self, name: str, tensor: torch.Tensor, received: dict[int, str]) -> None:
+        param = self._lookup(name, tensor)
+        first = received.get(id(param))
+        if first is None:
+            if is_staged(tensor) and tensor.dtype == param.dtype and tensor.is_contiguous():
+                # Keep the exporter's staged view as this weight: no copy now, and later exports write the next
+                # values into it in place (mppo.models.weight_transport).
+                param.data = tensor
+            else:
+                param.copy_(tensor)
+            received[id(param)] = name
+        elif first == name:
+            raise ValueError(f"update_weights: weight {name!r} was sent twice in one update")
+        elif not torch.equal(param, tensor.to(param.dtype)):
+            raise ValueError(
+                f"update_weights: {name!r} is tied to {first!r} in this model but the stream gave them "
+                "different values"
             )
 
     def _lookup(self, name: str, tensor: torch.Tensor) -> torch.nn.Parameter:

@@ -1,7 +1,9 @@
 """Actor -> rollout engine weight sync: the exporter's bucketed HF stream, fed to the engine where there is one.
 
-`iter_hf_weights` is collective (TP all-gathers, PP broadcasts), so EVERY rank of the actor must consume the whole
-stream, engine or not. Ranks that hold an engine object pass it in and it reads the stream; the others drain it.
+The ranks that hold an engine are the exporter's destinations; every other rank of their model-parallel groups
+only contributes its shards. On CPU (gloo, one host) that goes through shared-memory staging and the CPU engine
+keeps the staged tensors as its weights (see mppo.models.weight_transport): one parallel copy per sync. On GPUs it
+is the collective path into SGLang. Either way it is collective: call it on every rank of the actor.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mppo.models.hf_config import HFModelArgs
@@ -19,7 +22,7 @@ from mppo.rollout.base import NamedTensor, RolloutEngine
 
 @dataclass(frozen=True)
 class SyncStats:
-    """What one sync moved on this rank: HF bytes streamed, wall seconds, buckets."""
+    """What one sync moved on this rank: HF bytes streamed (0 where no engine), wall seconds, buckets."""
 
     bytes: int
     seconds: float
@@ -30,29 +33,44 @@ class SyncStats:
         return self.bytes / self.seconds if self.seconds > 0 else float("inf")
 
 
+def engine_ranks(engine: RolloutEngine | None) -> list[int]:
+    """Global ranks of this rank's model-parallel group that hold an engine (one small all-gather over the group)."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_model_parallel_group()
+    on_gpu = dist.get_backend(group) == "nccl"
+    flag = torch.tensor([int(engine is not None)], device=torch.cuda.current_device() if on_gpu else "cpu")
+    flags = [torch.empty_like(flag) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(flags, flag, group=group)
+    return [rank for rank, held in zip(dist.get_process_group_ranks(group), flags) if held.item()]
+
+
 def push_actor_weights(engine: RolloutEngine | None, model_chunks: Sequence[nn.Module], hf_args: HFModelArgs,
-                       bucket_bytes: int, *, dtype: torch.dtype | None = None) -> SyncStats:
-    """Stream the actor's weights (HF names, full tensors, `bucket_bytes` buckets) into `engine`.
+                       bucket_bytes: int, *, dtype: torch.dtype | None = None, transport: str = "auto") -> SyncStats:
+    """Stream the actor's weights (HF names, full tensors, `bucket_bytes` buckets) into the engines.
 
     Collective over the actor's ranks: call it on every rank, with `engine=None` where this rank holds no engine.
-    `dtype` casts the exported tensors (e.g. bf16 for a bf16 engine); None keeps the parameter dtype.
+    `dtype` casts the exported tensors (e.g. bf16 for a bf16 engine); None keeps the parameter dtype. `transport`
+    is iter_hf_weights' (auto: shared memory for gloo ranks on one host, else collectives).
     """
     counts = {"bytes": 0, "buckets": 0}
 
     def counted(buckets: Iterator[list[NamedTensor]]) -> Iterator[list[NamedTensor]]:
         for bucket in buckets:
             counts["buckets"] += 1
-            counts["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
+            counts["bytes"] += sum(t.nbytes for _, t in bucket)
             yield bucket
 
     start = time.perf_counter()
-    stream = counted(bucketed(iter_hf_weights(model_chunks, hf_args, dtype=dtype), bucket_bytes))
+    destinations = engine_ranks(engine)
+    stream = counted(bucketed(iter_hf_weights(model_chunks, hf_args, dtype=dtype, destinations=destinations,
+                                              transport=transport), bucket_bytes))
     if engine is None:
-        for _ in stream:  # the collectives inside the exporter need every rank
+        for _ in stream:  # empty here, but this rank's shards are sent or staged from inside the generator
             pass
     else:
         engine.update_weights(stream)
     return SyncStats(bytes=counts["bytes"], seconds=time.perf_counter() - start, buckets=counts["buckets"])
 
 
-__all__ = ["SyncStats", "push_actor_weights"]
+__all__ = ["SyncStats", "engine_ranks", "push_actor_weights"]

@@ -98,6 +98,8 @@ def run_layout(work: Path, res: dict, tp: int, pp: int) -> None:
     from mppo.models.hf_config import read_hf_config
     from mppo.models.weights import load_hf_weights
     from mppo.parallel import destroy, init_distributed
+    from mppo.models.weight_transport import is_staged
+    from mppo.models.weights import iter_hf_weights
     from mppo.rollout.cpu_engine import CPURolloutEngine
     from mppo.rollout.weight_sync import push_actor_weights
 
@@ -115,6 +117,18 @@ def run_layout(work: Path, res: dict, tp: int, pp: int) -> None:
         res[f"{key}/sync"] = [stats.bytes, stats.buckets]
         if engine is not None:
             res[f"{key}/bitwise"] = bitwise_report(engine, work / name)
+            res[f"{key}/adopted"] = all(is_staged(t) for t in engine.state_dict().values())
+        if name == "qwen2_untied" and (tp, pp) == (2, 2):
+            # another model of the same shapes (random values), staged to the engine's rank: it has buffers of its
+            # own, so the engine's kept weights must not change
+            other = build_gpt_model(args, dims, role="actor")
+            for _ in iter_hf_weights(other, args, destinations=[0]):
+                pass
+            if engine is not None:
+                res[f"{key}/bitwise_after_other_model"] = bitwise_report(engine, work / name)
+            del other
+        if name == "qwen2_untied" and (tp, pp) != (1, 1):
+            transport_cases(work / name, res, key, chunks, args, bf16=(tp, pp) == (2, 2))
 
         prompts = make_prompts(args.vocab_size)
         share = NUM_PROMPTS // dims.dp
@@ -132,6 +146,7 @@ def run_layout(work: Path, res: dict, tp: int, pp: int) -> None:
                 res[f"{key}/{kind}/actor_diff_at_t1"] = actor_logprob_diff(chunks, args, rows, prompts, 1.0)
 
         if (tp, pp) == (2, 2) and name == "qwen2_untied":
+            staging_lifecycle(work / name, res, key, chunks, args, opts_out=work.parent)
             change_and_resync(work, res, key, dims, chunks, args, engine, prompts)
     destroy()
 
@@ -164,6 +179,155 @@ def change_and_resync(work, res, key, dims, chunks, args, engine, prompts) -> No
         res[f"{key}/changed/right_half_changed"] = bool((new[:, half:] != old[:, half:]).float().mean() > 0.99)
     rows = engine_rows_by_dp(after, dims.dp_rank)
     res[f"{key}/changed/actor_diff"] = actor_logprob_diff(chunks, args, rows, prompts, 1.0)
+
+
+def stream_report(items, expected: dict[str, torch.Tensor], order: list[str] | None) -> str:
+    """'ok/staged' or 'ok/fresh' when `items` are exactly the expected tensors (bit for bit, dtype included) in
+    HF order; 'empty' for no items; else what is wrong."""
+    from mppo.models.weight_transport import is_staged
+
+    if not items:
+        return "empty"
+    names = [n for n, _ in items]
+    if set(names) != set(expected) or len(names) != len(expected):
+        return f"names differ: {sorted(set(names) ^ set(expected))} ({len(names)} items)"
+    if order is not None and names != order:
+        return "order differs from the HF order"
+    bad = [n for n, t in items if t.dtype != expected[n].dtype or t.shape != expected[n].shape
+           or not torch.equal(t.contiguous().view(torch.uint8), expected[n].contiguous().view(torch.uint8))]
+    if bad:
+        return f"tensors differ: {bad}"
+    staged = [is_staged(t) for _, t in items]
+    return "ok/staged" if all(staged) else "ok/fresh" if not any(staged) else "ok/mixed"
+
+
+def hf_order(hf_dir: Path) -> list[str]:
+    """HF order as the exporter promises it: embedding, layers in order, final norm, head; per layer the rules'
+    order (q, k, v (weight then bias), o, ...)."""
+    from safetensors.torch import load_file
+
+    def rank(name):
+        if name.startswith("model.embed_tokens"):
+            return (0, 0, 0)
+        if name.startswith("model.norm"):
+            return (2, 0, 0)
+        if name.startswith("lm_head"):
+            return (3, 0, 0)
+        layer, rest = name.split(".")[2], name.split(".", 3)[3]
+        sequence = ["input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                    "self_attn.v_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                    "self_attn.v_proj.bias", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+        return (1, int(layer), sequence.index(rest))
+
+    return sorted(load_file(str(hf_dir / "model.safetensors")), key=rank)
+
+
+def transport_cases(hf_dir: Path, res: dict, key: str, chunks, args, bf16: bool) -> None:
+    """Every transport and destination choice against the HF checkpoint (bitwise), on every rank of the group."""
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import load_file
+
+    from mppo.models.weights import iter_hf_weights
+
+    expected = load_file(str(hf_dir / "model.safetensors"))
+    order = hf_order(hf_dir)
+    group = dist.get_process_group_ranks(ps.get_model_parallel_group())
+    leader, last = group[0], group[-1]  # `last` is neither TP rank 0 nor on the first stage (tp, pp > 1)
+    cases = {
+        "collective_all": dict(destinations=None, transport="collective"),
+        "auto_all": dict(destinations=None),  # every rank a destination: stays collective
+        "collective_last": dict(destinations=[last], transport="collective"),
+        "collective_two": dict(destinations=[leader, last], transport="collective"),
+        "auto_last": dict(destinations=[last]),  # gloo on one host: staged
+        "shm_leader": dict(destinations=[leader], transport="shared_memory"),
+        "shm_two": dict(destinations=[leader, last], transport="shared_memory"),
+        "shm_all": dict(destinations=None, transport="shared_memory"),
+    }
+    if bf16:
+        cases["shm_bf16"] = dict(destinations=[last], transport="shared_memory", dtype=torch.bfloat16)
+        cases["collective_bf16"] = dict(destinations=[last], transport="collective", dtype=torch.bfloat16)
+    for case, kwargs in cases.items():
+        want = {n: t.to(kwargs.get("dtype", torch.float32)) for n, t in expected.items()}
+        res[f"{key}/transport/{case}"] = stream_report(list(iter_hf_weights(chunks, args, **kwargs)), want, order)
+    res[f"{key}/transport/group"] = group
+
+
+def consume_then_fail(stream, after: int) -> int:
+    """Read `after` items (on ranks that get any), then fail like a consumer would; returns how many were read.
+    A function of its own, so that no local keeps a staged view alive afterwards."""
+    consumed = 0
+    try:
+        for _ in stream:
+            consumed += 1
+            if consumed == after:
+                raise RuntimeError("consumer failed mid-stream")
+    except RuntimeError:
+        pass
+    return consumed
+
+
+def staging_lifecycle(hf_dir: Path, res: dict, key: str, chunks, args, opts_out: Path) -> None:
+    """Staging buffers in a private directory: no file survives the setup, an exception mid-stream, or a failed
+    setup (reported on every rank); released buffers leave no mapping; exports after each failure are right."""
+    import errno
+    import gc
+    import hashlib
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from mppo.models import weight_transport
+    from mppo.models.weights import iter_hf_weights
+
+    expected = load_file(str(hf_dir / "model.safetensors"))
+    shm_dir = Path("/dev/shm") / f"mppo-test-{hashlib.sha1(str(opts_out.resolve()).encode()).hexdigest()[:12]}"
+    if dist.get_rank() == 0:
+        shm_dir.mkdir()
+    dist.barrier()
+    real_dir, weight_transport.SHM_DIR = weight_transport.SHM_DIR, shm_dir
+    weight_transport.release_staging_buffers()  # the next export sets up again, in shm_dir
+    try:
+        export = lambda: iter_hf_weights(chunks, args, destinations=[0])  # noqa: E731
+        first = list(export())
+        res[f"{key}/life/first"] = stream_report(first, expected, None)
+        res[f"{key}/life/files_after_export"] = sorted(os.listdir(shm_dir))
+        maps = Path("/proc/self/maps").read_text()
+        res[f"{key}/life/mapped"] = bool(weight_transport.held_segments()) and all(
+            seg in maps for seg in weight_transport.held_segments())
+        del first
+
+        res[f"{key}/life/consumed_before_error"] = consume_then_fail(export(), after=3)
+        res[f"{key}/life/files_after_error"] = sorted(os.listdir(shm_dir))
+        res[f"{key}/life/after_error"] = stream_report(list(export()), expected, None)
+
+        segments = weight_transport.held_segments()
+        weight_transport.release_staging_buffers()
+        gc.collect()
+        maps = Path("/proc/self/maps").read_text()
+        res[f"{key}/life/unmapped_after_release"] = bool(segments) and not any(seg in maps for seg in segments)
+
+        real_fallocate = os.posix_fallocate
+        if dist.get_rank() == 0:  # the destination creates the segment: make its /dev/shm look full
+            def full(fd, offset, length):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            os.posix_fallocate = full
+        try:
+            list(export())
+            res[f"{key}/life/setup_error"] = "no error"
+        except weight_transport.StagingError as err:
+            res[f"{key}/life/setup_error"] = str(err)
+        finally:
+            os.posix_fallocate = real_fallocate
+        dist.barrier()  # the destination unlinks while its error propagates: look once every rank is past it
+        res[f"{key}/life/files_after_setup_error"] = sorted(os.listdir(shm_dir))
+        res[f"{key}/life/after_setup_error"] = stream_report(list(export()), expected, None)
+    finally:
+        weight_transport.release_staging_buffers()
+        weight_transport.SHM_DIR = real_dir
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 def main() -> None:
