@@ -75,6 +75,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         if _is_rank0():
             sys.stdout.write(to_yaml(cfg))
+            _print_plan(cfg)
         return 0
     _configure_run_logging()
     try:
@@ -87,6 +88,20 @@ def _train(args: argparse.Namespace) -> int:
         return int(trainer.run(cfg) or 0)
     except USER_INPUT_ERRORS as e:
         return _error(str(e), every_rank=True)
+
+
+def _print_plan(cfg) -> None:
+    """Append the memory/step-time plan to --dry-run output when the model's config.json is at hand."""
+    from mppo.plan import model_args, plan, render_text
+
+    try:
+        hf_args, name = model_args(cfg, None)
+    except UserError as e:
+        print(f"# plan: not computed ({e}); `mppo plan CONFIG --hf-config auto` plans with a built-in config")
+        return
+    device = "cpu" if cfg.trainer.device == "cpu" else "h100"
+    text = render_text(plan(cfg, hf_args, model_name=name, device=device))
+    print("# plan (mppo plan):\n" + "\n".join(f"# {line}" for line in text.splitlines()))
 
 
 # megatron-core announces its fallbacks for GPU-only packages (apex, Transformer Engine) on every import; on a

@@ -249,3 +249,22 @@ def test_tool_sys_exit_becomes_the_exit_code(capsys, monkeypatch, exit_arg, code
     assert cli.main(["doctor"]) == code
     if isinstance(exit_arg, str):
         assert capsys.readouterr().err == "tool says no\n"
+
+
+def test_dry_run_appends_the_plan_when_the_model_config_is_at_hand(tmp_path, capsys):
+    """`mppo train --dry-run` ends with `mppo plan`'s memory verdict (issue 9), or says why it could not plan."""
+    import json
+
+    from mppo.cli import main
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}))
+    assert main(["train", "configs/demo_cpu.yaml", f"actor_rollout_ref.model.path={model}", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "# verdict: FITS" in out
+    assert main(["train", "configs/ppo_trainer.yaml", "--dry-run"]) == 0
+    assert "# plan: not computed (actor_rollout_ref.model.path is null" in capsys.readouterr().out
