@@ -156,6 +156,9 @@ def test_tool_not_landed_yet(capsys, monkeypatch, command):
     module = cli.TOOLS[command][0].format(name="kernels")
     absent = "mppo.bench" if command == "bench" else module  # bench: the whole package is absent
     monkeypatch.setitem(sys.modules, absent, None)
+    # The module itself too: under an editable install the parent may still resolve, and the real tool (a long
+    # benchmark) must never run from this test.
+    monkeypatch.setitem(sys.modules, module, None)
     argv = [command, "kernels"] if "{name}" in cli.TOOLS[command][0] else [command]
     code, _, err = run(capsys, *argv)
     assert code == 2 and "not available yet" in err and module in err
