@@ -11,13 +11,20 @@ Layout under `<run_dir>/checkpoints/`:
 A step directory is first written as `global_step_20.tmp` and renamed only once the manifest is complete, so a
 crash at any moment leaves either the old set of checkpoints or the old set plus one complete new one. A directory
 whose manifest is missing or whose files do not match it is reported by path and reason and skipped.
+
+Nothing in a checkpoint is unpickled before it is vetted: megatron's dist_checkpointing (torch.distributed.checkpoint)
+reads its `.metadata` with plain `pickle.load` and its byte entries with `torch.load(weights_only=False)`. So before
+a checkpoint is chosen, `.metadata` is unpickled here with an allowlist of torch's checkpoint-metadata classes, and
+every byte entry and `*.pt` file is loaded with `torch.load(weights_only=True)`; anything else makes it "corrupt".
 """
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 from collections.abc import Callable, Mapping
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from mppo.errors import UserError
@@ -55,6 +63,15 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _from_rank0(value: Any) -> Any:
+    """Rank 0's `value` on every rank (one rank reads the disk, every rank takes the same decision)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def file_digest(path: Path) -> str:
@@ -88,6 +105,21 @@ class CheckpointManager:
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"global_step_{step}"
+
+    def remove_partial_writes(self) -> list[Path]:
+        """Delete what a crash mid-save left behind (`global_step_N.tmp`, `*.partial`); rank 0 logs each."""
+        removed = []
+        if _rank() == 0 and self.root.is_dir():
+            for path in sorted(self.root.iterdir()):
+                if path.name.endswith((".tmp", ".partial")):
+                    log.warning("removing %s: a checkpoint write that did not finish", path)
+                    if path.is_dir():
+                        shutil.rmtree(path)
+                    else:
+                        path.unlink()
+                    removed.append(path)
+        _barrier()
+        return removed
 
     # ------------------------------------------------------------------------------------------------- saving
     def save(self, step: int, writers: Mapping[str, Callable[[Path], None]], trainer_state: dict[str, Any],
@@ -147,21 +179,34 @@ class CheckpointManager:
                 raise CheckpointError(f"{file}: size {file.stat().st_size} != {expected['size']} in the manifest")
             if file_digest(file) != expected["blake2b"]:
                 raise CheckpointError(f"{file}: checksum does not match the manifest (corrupt)")
+        for rel in manifest.get("files", {}):
+            _vet_pickled(path / rel)
         return manifest
 
     def latest(self) -> CheckpointInfo | None:
         """The newest complete checkpoint that belongs to this run; corrupt ones are reported and skipped.
 
         A complete checkpoint of ANOTHER run (different model or incompatible config) is an error, not a skip:
-        resuming from it would silently change the run.
+        resuming from it would silently change the run. Collective: rank 0 reads, every rank gets its answer.
         """
+        found: CheckpointInfo | CheckpointError | None = None
+        if _rank() == 0:
+            try:
+                found = self._find_latest()
+            except CheckpointError as err:
+                found = err
+        found = _from_rank0(found)
+        if isinstance(found, CheckpointError):
+            raise CheckpointError(str(found))
+        return found
+
+    def _find_latest(self) -> CheckpointInfo | None:
         for step in sorted(self._candidate_steps(), reverse=True):
             path = self.step_dir(step)
             try:
                 manifest = self.verify(path)
             except CheckpointError as err:
-                if _rank() == 0:
-                    log.warning("skipping checkpoint %s", err)
+                log.warning("skipping checkpoint %s", err)
                 continue
             self.check_compatible(path, manifest)
             return CheckpointInfo(step=step, path=path, manifest=manifest)
@@ -187,6 +232,64 @@ def _diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str:
     keys = sorted(set(saved) | set(current))
     return ", ".join(f"{k}: {saved.get(k)!r} (checkpoint) vs {current.get(k)!r} (now)"
                      for k in keys if saved.get(k) != current.get(k))
+
+
+# ---------------------------------------------------------------------------------------------- pickle vetting
+# Every global torch.distributed.checkpoint's `.metadata` pickle may name: its metadata dataclasses and enums, and
+# torch's Size, dtypes and layout lookup, and paths. Constructing these from untrusted arguments runs no foreign code.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "collections": {"OrderedDict"},
+    "pathlib": {"PosixPath", "PurePosixPath"},  # StorageMeta.checkpoint_id when saved with a Path
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if name in _METADATA_GLOBALS.get(module, ()) or is_dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it references {module}.{name}, which is not checkpoint metadata")
+
+
+def _vet_pickled(file: Path) -> None:
+    """Raise CheckpointError unless every pickle in `file` is plain checkpoint data (see the module docstring)."""
+    try:
+        if file.name == ".metadata":
+            with file.open("rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            _vet_byte_entries(file.parent, metadata)
+        elif file.suffix == ".pt":
+            torch.load(file, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
+    except Exception as err:  # an unpickling error, or a file that is not what its name says
+        raise CheckpointError(f"{file}: refused to unpickle ({type(err).__name__}: {err}); only load checkpoints "
+                              "written by mppo from a trusted place") from err
+
+
+def _vet_byte_entries(model_dir: Path, metadata: Any) -> None:
+    """torch.distributed.checkpoint unpickles its byte entries with weights_only=False: try them with True."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    for index, info in metadata.storage_data.items():
+        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue
+        if Path(info.relative_path).name != info.relative_path:
+            raise CheckpointError(f"{model_dir}/.metadata: entry {index.fqn} points outside its directory "
+                                  f"({info.relative_path!r})")
+        if info.transform_descriptors:  # mppo never writes transformed (e.g. compressed) entries
+            raise CheckpointError(f"{model_dir / info.relative_path}: entry {index.fqn} is stored with transforms "
+                                  f"{info.transform_descriptors}, which mppo does not write")
+        with (model_dir / info.relative_path).open("rb") as f:
+            f.seek(info.offset)
+            torch.load(io.BytesIO(f.read(info.length)), map_location="cpu", weights_only=True)
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -1,6 +1,11 @@
-"""Building a run's parts from its config: data, tokenizer, reward, rollout engine. The fit loop only wires them."""
+"""Building a run's parts from its config: data, tokenizer, reward, rollout engine. The fit loop only wires them.
+
+The checks here run before megatron is imported or a model is built, so bad input stops a run in seconds.
+"""
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +15,7 @@ import torch
 
 from mppo.config import ConfigError, MppoConfig
 from mppo.data import PromptLoader, RLDataset, load_tokenizer
+from mppo.errors import UserError
 from mppo.rewards import RewardManager, known_data_sources, resolve_compute_score
 from mppo.rollout.base import RolloutEngine, SamplingParams
 
@@ -23,6 +29,55 @@ def require_path(value: str | None, key: str, hint: str) -> str:
     if not path.exists():
         raise ConfigError(f"{key}={value!r} does not exist; {hint}")
     return str(path)
+
+
+class MissingPackageError(UserError, ImportError):
+    """The config asks for a feature whose (GPU-only) package is not installed."""
+
+
+class VocabMismatchError(UserError, ValueError):
+    """The tokenizer has token ids the model has no embedding rows for."""
+
+
+# What makes a model "the same model" for a resume: its architecture as config.json states it.
+MODEL_FACTS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+
+
+def model_facts(model_path: str) -> dict[str, Any]:
+    """The architecture facts of the HF model at `model_path` (from its config.json)."""
+    config_file = Path(model_path).expanduser() / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"{model_path!r} has no config.json; give an HF model directory (config.json + "
+                          "safetensors), e.g. one written by `mppo convert` or save_pretrained")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"cannot read {config_file} ({type(err).__name__}: {err}); restore the model's "
+                          "config.json") from err
+    return {key: config.get(key) for key in MODEL_FACTS}
+
+
+def check_gpu_packages(cfg: MppoConfig) -> None:
+    """Stop at start-up when the config asks for a GPU package that is missing (named with its install line)."""
+    from mppo.models.spec import resolve_transformer_impl
+
+    resolve_transformer_impl(cfg.actor_rollout_ref.model.transformer_impl)  # raises MissingGpuPackageError
+    if cfg.actor_rollout_ref.rollout.name == "sglang" and importlib.util.find_spec("sglang") is None:
+        from mppo.rollout.sglang_protocol import INSTALL_HINT
+
+        raise MissingPackageError(f"actor_rollout_ref.rollout.name=sglang needs SGLang, which is not installed: "
+                                  f"{INSTALL_HINT}; or use actor_rollout_ref.rollout.name=cpu")
+
+
+def check_vocab(tokenizer: Any, model_path: str, key: str) -> None:
+    """Every token id the tokenizer can produce must have an embedding row in the model."""
+    vocab_size = model_facts(model_path)["vocab_size"]
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        raise VocabMismatchError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model at {key}={model_path!r} has vocab_size "
+            f"{vocab_size}: token ids >= {vocab_size} have no embedding. Use the tokenizer that belongs to this "
+            "model (actor_rollout_ref.model.tokenizer_path), or resize the model's embeddings first")
 
 
 @dataclass
@@ -39,6 +94,10 @@ def build_data(cfg: MppoConfig) -> RunData:
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.tokenizer_path or model_path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # veRL does the same for tokenizers without a pad token
+    check_vocab(tokenizer, model_path, "actor_rollout_ref.model.path")
+    if cfg.critic.enable and cfg.critic.model.path and cfg.critic.model.path != model_path:
+        check_vocab(tokenizer, require_path(cfg.critic.model.path, "critic.model.path", "give an HF model "
+                                            "directory"), "critic.model.path")
     hint = "make data with e.g. `mppo data countdown --out data/countdown`"
     if not cfg.data.train_files:
         raise ConfigError(f"data.train_files is not set; {hint}")

@@ -11,8 +11,8 @@ whitening, GRPO groups, the KL controller) are exactly veRL's whatever the layou
 from __future__ import annotations
 
 import logging
-import math
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,19 +23,25 @@ import torch.distributed as dist
 from mppo import core_algos
 from mppo.config import ConfigError, MppoConfig, to_yaml
 from mppo.data.loader import PromptBatch
+from mppo.errors import UserError
 from mppo.rollout.weight_sync import push_actor_weights
-from mppo.trainer import components
+from mppo.trainer import components, faults
 from mppo.trainer.checkpoint import CheckpointManager
 from mppo.trainer.metrics import MetricsLogger, StepTimer, compute_data_metrics, perf_metrics, plot_metrics
 from mppo.trainer.model_flops import ppo_step_flops
 from mppo.trainer.parallel_io import ModelParallelIO
 from mppo.trainer.rollout_batch import all_gather_rows, build_rollout_batch, local_rows
 from mppo.trainer.validation import validate
+from mppo.trainer.watchdog import StallWatchdog, process_group_timeout_s, tie_checkpoint_helpers_to_rank
 
 log = logging.getLogger("mppo")
 
 # Tensors gathered over DP so advantages see the whole global batch.
 _ADV_INPUTS = ("token_level_scores", "old_log_probs", "ref_log_prob", "values", "response_mask", "uid")
+
+
+class NonFiniteUpdatesError(UserError, FloatingPointError):
+    """Too many consecutive steps had a NaN/inf loss or gradient norm (trainer.max_consecutive_skips)."""
 
 
 class PPOTrainer:
@@ -52,15 +58,28 @@ class PPOTrainer:
         arr = cfg.actor_rollout_ref
         mcfg = arr.actor.megatron
         _check_shared_layout(cfg)
+        # Bad input stops the run here, in seconds: before megatron is imported or any model is built.
+        components.check_gpu_packages(cfg)
+        self.data = components.build_data(cfg)
+        self.faults = faults.from_env()  # None unless MPPO_FAULT is set (tests)
         self.dims = init_distributed(mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size,
                                      mcfg.virtual_pipeline_model_parallel_size,
-                                     timeout_s=cfg.trainer.collective_timeout_s, seed=mcfg.seed)
+                                     timeout_s=process_group_timeout_s(cfg.trainer.collective_timeout_s),
+                                     seed=mcfg.seed)
         self.device = torch.device(self.dims.device)
         self.is_main = self.dims.rank == 0
         self.run_dir = Path(cfg.trainer.default_local_dir)
         self.io = ModelParallelIO(self.dims)
+        self.watchdog = StallWatchdog(cfg.trainer.collective_timeout_s, self.dims.rank)
+        tie_checkpoint_helpers_to_rank()  # no orphan processes when this rank is killed
+        self.ckpt = CheckpointManager(self.run_dir, resume_config=_resume_config(cfg),
+                                      layout={"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp,
+                                              "vpp": self.dims.vpp},
+                                      max_to_keep=cfg.trainer.max_ckpt_to_keep)
+        self.ckpt.remove_partial_writes()
+        # A checkpoint of another model or config stops the run now, before the models are built.
+        self.resume_from = self.ckpt.latest() if cfg.trainer.resume_mode != "disable" else None
 
-        self.data = components.build_data(cfg)
         self.total_steps = _total_steps(cfg, len(self.data.train_loader))
         model_path, n = arr.model.path, arr.rollout.n
         self.actor = ActorWorker(arr.model, arr.actor, self.dims, model_path, total_steps=self.total_steps,
@@ -80,10 +99,6 @@ class PPOTrainer:
         self.train_sampling = components.train_sampling(cfg, self.data.tokenizer)
         self.val_sampling = components.val_sampling(cfg, self.data.tokenizer)
 
-        self.ckpt = CheckpointManager(self.run_dir, resume_config=_resume_config(cfg),
-                                      layout={"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp,
-                                              "vpp": self.dims.vpp},
-                                      max_to_keep=cfg.trainer.max_ckpt_to_keep)
         self.metrics = MetricsLogger(self.run_dir, cfg.trainer.logger, enabled=self.is_main,
                                      project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name)
         self.step = 0
@@ -95,19 +110,19 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ resume
     def maybe_resume(self) -> None:
-        if self.cfg.trainer.resume_mode == "disable":
-            return
-        info = self.ckpt.latest()
+        info = self.resume_from
         if info is None:
             return
-        state = self.ckpt.load_trainer_state(info)
-        self._load_worker(self.actor, info.path / "actor")
-        if self.critic is not None:
-            self._load_worker(self.critic, info.path / "critic")
+        with self.watchdog.phase("load_checkpoint", info.step):
+            state = self.ckpt.load_trainer_state(info)
+            self._load_worker(self.actor, info.path / "actor")
+            if self.critic is not None:
+                self._load_worker(self.critic, info.path / "critic")
         self.data.train_loader.load_state_dict(state["data"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.step = state["step"]
         self.skipped_steps = state.get("skipped_steps", 0)
+        self.consecutive_skips = state.get("consecutive_skips", 0)
         self.metrics.truncate_after(self.step)
         log.info("resumed from %s (step %d)", info.path, self.step)
 
@@ -116,8 +131,11 @@ class PPOTrainer:
         if self.critic is not None:
             writers["critic"] = lambda d: self._save_worker(self.critic, d)
         state = {"step": self.step, "data": self.data.train_loader.state_dict(),
-                 "kl_ctrl": self.kl_ctrl.state_dict(), "skipped_steps": self.skipped_steps}
-        path = self.ckpt.save(self.step, writers, state)
+                 "kl_ctrl": self.kl_ctrl.state_dict(), "skipped_steps": self.skipped_steps,
+                 "consecutive_skips": self.consecutive_skips}
+        fault_hook = self.faults.checkpoint_hook(self.step) if self.faults else None
+        with self.watchdog.phase("save_checkpoint", self.step):
+            path = self.ckpt.save(self.step, writers, state, fault_hook=fault_hook)
         log.info("checkpoint written: %s", path)
 
     # ------------------------------------------------------------------------------------------------ one step
@@ -151,39 +169,50 @@ class PPOTrainer:
 
     def train_step(self, prompts: PromptBatch) -> dict[str, float]:
         cfg, timer = self.cfg, StepTimer()
-        with timer.phase("step"):
+        with self.phase(timer, "step"):
             local_prompts, offset = self.io.dp_slice(prompts)
-            with timer.phase("weight_sync"):
+            with self.phase(timer, "weight_sync"):
                 sync_metrics = self.sync_weights()
-            with timer.phase("gen"):
+            with self.phase(timer, "gen"):
                 batch = self.generate(local_prompts, offset, self.train_sampling, self.step)
                 if self.engine is not None:
                     self.engine.release()
             temperature = cfg.actor_rollout_ref.rollout.temperature
-            with timer.phase("old_log_prob"):
+            with self.phase(timer, "old_log_prob"):
                 batch["old_log_probs"], _ = self.actor.compute_log_prob(batch, temperature=temperature)
             if self.ref is not None:
-                with timer.phase("ref"):
+                with self.phase(timer, "ref"):
                     batch["ref_log_prob"] = self.ref.compute_log_prob(batch, temperature=temperature)
             if self.critic is not None:
-                with timer.phase("values"):
+                with self.phase(timer, "values"):
                     batch["values"] = self.critic.compute_values(batch)
-            with timer.phase("adv"):
+            with self.phase(timer, "adv"):
                 adv_metrics = self.compute_advantages(batch)
+            if self.faults:
+                self.faults.poison_update_inputs(batch, self.step + 1)
             # Worker metrics are global (identical on every rank); `skipped` marks a non-finite update.
             metrics: dict[str, float] = {**adv_metrics, **sync_metrics}
             if self.critic is not None:
-                with timer.phase("update_critic"):
+                with self.phase(timer, "update_critic"):
                     critic_metrics = self.critic.update(batch)
                 metrics["critic/skipped"] = float(critic_metrics.pop("skipped", False))
                 metrics.update(critic_metrics)
             if self.step >= cfg.trainer.critic_warmup:
-                with timer.phase("update_actor"):
+                with self.phase(timer, "update_actor"):
                     actor_metrics = self.actor.update(batch, temperature=temperature)
                 metrics["actor/skipped"] = float(actor_metrics.pop("skipped", False))
                 metrics.update(actor_metrics)
-        metrics.update(self._step_metrics(batch, timer))
+        with self.watchdog.phase("metrics", self.step + 1):
+            metrics.update(self._step_metrics(batch, timer))
         return metrics
+
+    @contextmanager
+    def phase(self, timer: StepTimer, name: str) -> Iterator[None]:
+        """A timed phase of the step being computed, under the stall watchdog (and MPPO_FAULT, when set)."""
+        with self.watchdog.phase(name, self.step + 1), timer.phase(name):
+            if self.faults:
+                self.faults.at_phase(name, self.step + 1)
+            yield
 
     def compute_advantages(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """KL penalty and advantages on the whole global batch (gathered over DP), then this rank's rows back."""
@@ -237,12 +266,12 @@ class PPOTrainer:
                 self.step += 1
                 self._count_skips(metrics)
                 metrics["training/epoch"] = loader.epoch
-                metrics["training/skipped_steps"] = self.skipped_steps
                 last = self.step >= self.total_steps
                 if self.data.val_dataset is not None and cfg.test_freq > 0 and (
                         self.step % cfg.test_freq == 0 or last):
                     metrics.update(self.validate())
                 self.metrics.log(self.step, metrics)
+                self._stop_if_diverging()
                 bar.update(1)
                 bar.set_postfix({k.split("/", 1)[-1]: f"{metrics[k]:.3g}" for k in
                                  ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "response_length/mean")
@@ -252,29 +281,34 @@ class PPOTrainer:
                 if last:
                     break
         bar.close()
+        self.watchdog.close()
         self.metrics.close()
         if self.is_main and self.metrics.path.exists():
             png = plot_metrics(self.metrics.path, self.run_dir / "metrics.png")
             log.info("done: %d steps; metrics in %s, plot in %s", self.step, self.metrics.path, png)
 
     def validate(self) -> dict[str, float]:
-        return validate(self, self.data.val_dataset)
+        with self.watchdog.phase("validate", self.step):
+            return validate(self, self.data.val_dataset)
 
     def _count_skips(self, metrics: dict[str, float]) -> None:
+        """Count steps whose update was skipped for a NaN/inf loss or grad norm (`training/skipped_steps`)."""
         skipped = bool(metrics.get("actor/skipped", 0.0)) or bool(metrics.get("critic/skipped", 0.0))
-        if not skipped:
-            self.consecutive_skips = 0
-            return
-        self.skipped_steps += 1
-        self.consecutive_skips += 1
-        log.warning("step %d: non-finite loss or grad norm, update skipped (%d in a row)", self.step,
-                    self.consecutive_skips)
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        self.skipped_steps += int(skipped)
+        metrics["training/skipped_steps"] = self.skipped_steps
+        if skipped:
+            log.warning("step %d: non-finite loss or grad norm, update skipped (%d in a row)", self.step,
+                        self.consecutive_skips)
+
+    def _stop_if_diverging(self) -> None:
         limit = self.cfg.trainer.max_consecutive_skips
-        if self.consecutive_skips >= limit:
-            raise FloatingPointError(
-                f"{self.consecutive_skips} consecutive steps had a NaN/inf loss or grad norm (limit "
-                f"trainer.max_consecutive_skips={limit}); the last good checkpoint is in {self.ckpt.root}. "
-                "Lower the learning rate or check the rewards/data of these steps")
+        if self.consecutive_skips and self.consecutive_skips >= limit:
+            raise NonFiniteUpdatesError(
+                f"stopped at step {self.step}: {self.consecutive_skips} consecutive steps had a NaN/inf loss or grad "
+                f"norm and were skipped (trainer.max_consecutive_skips={limit}); the weights are those of the last "
+                f"good step and the last checkpoint is in {self.ckpt.root}. Lower the learning rate, or check the "
+                "rewards and data of these steps (metrics.jsonl)")
 
 
 def _count_parameters(model_chunks, io: ModelParallelIO) -> int:
@@ -324,6 +358,12 @@ def _resume_config(cfg: MppoConfig) -> dict[str, Any]:
             flat[prefix] = value
 
     walk("", asdict(cfg))
+    # The models' architecture too: another model put at the same path must not resume this run's checkpoint.
+    models = {"actor_rollout_ref.model": cfg.actor_rollout_ref.model.path}
+    if cfg.critic.enable:
+        models["critic.model"] = cfg.critic.model.path or cfg.actor_rollout_ref.model.path
+    for prefix, path in models.items():
+        flat.update({f"{prefix}.config_json.{k}": v for k, v in components.model_facts(path).items()})
     return {k: v for k, v in flat.items()
             if not any(k == free or k.startswith(free + ".") for free in _RESUME_FREE)
             and ".val_kwargs." not in k}
