@@ -11,6 +11,7 @@ import logging
 import os
 import pkgutil
 import sys
+import time
 import warnings
 from typing import Sequence
 
@@ -42,6 +43,9 @@ def _error(message: str, every_rank: bool = False) -> int:
         print(f"mppo: error [rank {os.environ.get('RANK', '?')}]: {message}", file=sys.stderr)
     elif _is_rank0():
         print(f"mppo: error: {message}", file=sys.stderr)
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchrun kills the remaining ranks as soon as one exits: give rank 0 time to say what is wrong.
+        time.sleep(3)
     return USER_ERROR
 
 

@@ -64,6 +64,8 @@ def test_metrics_file_truncates_on_resume_and_plots(tmp_path):
                           "actor/ppo_kl": float("nan") if step == 2 else 0.0})
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[1]["actor/ppo_kl"] == "nan"
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "critic/sc')  # a torn last line
     logger.truncate_after(2)
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
     png = plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "metrics.png")

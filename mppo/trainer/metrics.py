@@ -138,7 +138,7 @@ class MetricsLogger:
         if not self.enabled or not self.path.exists():
             return
         kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+                if _parsed_step(line) is not None and _parsed_step(line) <= step]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -160,6 +160,14 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _parsed_step(line: str) -> int | None:
+    """The step of a metrics line; None for a blank or torn line (a crash mid-write on power loss)."""
+    try:
+        return int(json.loads(line).get("step", 0)) if line.strip() else None
+    except (json.JSONDecodeError, AttributeError):
+        return None
 
 
 def _plain(value: Any) -> Any:
