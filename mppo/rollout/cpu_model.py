@@ -71,6 +71,14 @@ class PackedCausalLM:
     @torch.no_grad()
     def forward(self, token_ids: list[list[int]], caches: list[SequenceKV]) -> torch.Tensor:
         """Append token_ids[i] to sequence i and return float32 logits after its last new token, [len(caches), V]."""
+        # Torch-function modes (mppo.parallel.cpu_compat installs two, process-wide, for megatron on CPU) wrap every
+        # torch call in Python; decoding makes thousands of small calls per token, and none of them needs the
+        # modes (CPU tensors only), so they are switched off here. Results are unchanged: the modes only rewrite
+        # CUDA arguments and tensor type names.
+        with torch._C.DisableTorchFunction():
+            return self._forward(token_ids, caches)
+
+    def _forward(self, token_ids: list[list[int]], caches: list[SequenceKV]) -> torch.Tensor:
         lengths = [len(t) for t in token_ids]
         for cache, n in zip(caches, lengths, strict=True):
             if n == 0 or cache.length + n > cache.capacity:
@@ -83,7 +91,7 @@ class PackedCausalLM:
         ids = torch.zeros(rows, dtype=torch.long)
         ids[:total] = torch.tensor([t for seq in token_ids for t in seq], dtype=torch.long)
         positions = torch.zeros(rows, dtype=torch.long)
-        positions[:total] = torch.cat([torch.arange(c.length, c.length + n) for c, n in zip(caches, lengths)])
+        positions[:total] = torch.tensor([c.length + i for c, n in zip(caches, lengths) for i in range(n)])
 
         decoder = self._model.model
         hidden = decoder.embed_tokens(ids)
@@ -112,23 +120,26 @@ class PackedCausalLM:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
 
+        # Head-major views [heads, rows, head_dim], made once: the loop below then slices them per sequence with
+        # the same strides (and so the same numerics) as slicing and transposing each sequence's rows.
+        q_heads, k_heads, v_heads = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         out = torch.zeros_like(q)
+        out_heads = out.transpose(0, 1)
         for cache, start, n in zip(caches, starts, lengths):
             end, past = start + n, cache.length
             k_cache, v_cache = cache.keys[layer_index], cache.values[layer_index]
-            k_cache[:, past : past + n] = k[start:end].transpose(0, 1)
-            v_cache[:, past : past + n] = v[start:end].transpose(0, 1)
+            k_cache[:, past : past + n] = k_heads[:, start:end]
+            v_cache[:, past : past + n] = v_heads[:, start:end]
             # Token i of the new block sees every cached position and new positions <= i.
             mask = None if n == 1 else torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
-            seq_out = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1)[None],
+            out_heads[:, start:end] = F.scaled_dot_product_attention(
+                q_heads[None, :, start:end],
                 k_cache[None, :, : past + n],
                 v_cache[None, :, : past + n],
                 attn_mask=mask,
                 scale=attn.scaling,
                 enable_gqa=True,
-            )
-            out[start:end] = seq_out[0].transpose(0, 1)
+            )[0]
         return attn.o_proj(out.reshape(rows, -1))
 
 

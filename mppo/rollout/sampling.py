@@ -50,6 +50,14 @@ def choose_tokens(
     logits: torch.Tensor, sampling: SamplingParams, generators: list[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token and its rollout log-prob for each row of `logits` [rows, vocab]; generators[i] belongs to row i."""
+    # No torch-function modes here (see PackedCausalLM.forward): a call per row per token, CPU tensors only.
+    with torch._C.DisableTorchFunction():
+        return _choose_tokens(logits, sampling, generators)
+
+
+def _choose_tokens(
+    logits: torch.Tensor, sampling: SamplingParams, generators: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
     if logits.shape[0] != len(generators):
         raise ValueError(f"{logits.shape[0]} logit rows but {len(generators)} generators")
     log_probs = rollout_log_probs(logits, sampling)

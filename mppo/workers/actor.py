@@ -92,7 +92,8 @@ class ActorWorker:
         with torch.no_grad():
             return compute_response_logprobs(self.model, batch, self.logprob_fn, vocab_size=self.hf_args.vocab_size,
                                              temperature=temperature, micro_batch_size=micro_batch_size,
-                                             max_token_len=max_token_len, calculate_entropy=calculate_entropy)
+                                             max_token_len=max_token_len, calculate_entropy=calculate_entropy,
+                                             phase="actor/log_prob")
 
     # ------------------------------------------------------------------------------------------ training
     def update(self, batch: Batch, *, temperature: float) -> dict[str, float | bool]:

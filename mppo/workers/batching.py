@@ -76,10 +76,11 @@ def validate_batch(batch: Batch, required: Sequence[str] = ()) -> tuple[int, int
 class MicroBatch:
     """Rows `rows` of a batch, ready for the pipeline: `data` holds the compacted `input_ids` [b, L],
     `response_index` [b, T] (output column predicting each response token), `response_valid` [b, T] and the
-    batch's [b, T] response tensors."""
+    batch's [b, T] response tensors. `real_tokens` counts the attended (non-padding) tokens of its rows."""
 
     rows: torch.Tensor
     data: dict[str, torch.Tensor]
+    real_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -107,7 +108,43 @@ def make_micro_batch(batch: Batch, rows: torch.Tensor) -> MicroBatch:
     for key in (*RESPONSE_KEYS, *UPDATE_KEYS):
         if key in batch:
             data[key] = batch[key][rows]
-    return MicroBatch(rows=rows, data=data)
+    return MicroBatch(rows=rows, data=data, real_tokens=int(mask.sum()))
+
+
+@dataclass
+class PhaseTokens:
+    real: int = 0  # attended tokens of the rows
+    processed: int = 0  # rows x columns of the model inputs actually run (padding included)
+    micro_batches: int = 0
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1.0 - self.real / self.processed if self.processed else 0.0
+
+
+class TokenCounter:
+    """Real vs processed tokens of the micro-batches this process hands to the pipeline schedules, by phase
+    (e.g. "actor/update"). Padding costs compute without doing work, so `mppo bench step` reports it; counting
+    is two integer additions per micro-batch, so it is always on."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, PhaseTokens] = {}
+
+    def add(self, phase: str, real: int, processed: int) -> None:
+        entry = self.phases.setdefault(phase, PhaseTokens())
+        entry.real += real
+        entry.processed += processed
+        entry.micro_batches += 1
+
+    def reset(self) -> None:
+        self.phases.clear()
+
+    def total(self) -> PhaseTokens:
+        return PhaseTokens(sum(p.real for p in self.phases.values()), sum(p.processed for p in self.phases.values()),
+                           sum(p.micro_batches for p in self.phases.values()))
+
+
+TOKEN_COUNTER = TokenCounter()  # this process's counts; the workers add to it, benchmarks read and reset it
 
 
 def split_by_count(rows: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
@@ -117,21 +154,44 @@ def split_by_count(rows: torch.Tensor, micro_batch_size: int) -> list[torch.Tens
     return list(rows.split(micro_batch_size))
 
 
-def split_by_tokens(rows: torch.Tensor, lengths: torch.Tensor, max_token_len: int) -> list[torch.Tensor]:
-    """Groups of rows sorted by length (longest first) whose padded size b x max(length) fits `max_token_len`."""
+# The fixed cost of one micro-batch (pipeline schedule, per-layer Python and kernel launches), in tokens of model
+# compute: splitting a group in two is worth it when it saves more padded tokens than this. Estimate for the
+# CPU bench model (bench/RESULTS.md): ~200 torch calls per micro-batch forward at ~20 us each, against ~0.1 ms
+# of compute per token, is ~40 tokens. On GPUs a micro-batch costs more launches but budgets are thousands of
+# tokens, so the padding a split saves dwarfs it either way.
+MICRO_BATCH_OVERHEAD_TOKENS = 64
+
+
+def split_by_tokens(rows: torch.Tensor, lengths: torch.Tensor, max_token_len: int, *,
+                    overhead_tokens: int = MICRO_BATCH_OVERHEAD_TOKENS) -> list[torch.Tensor]:
+    """Groups of rows whose padded size b x max(length) fits `max_token_len`, chosen to minimise the tokens the
+    model processes (padding included) plus `overhead_tokens` per group.
+
+    Rows are sorted longest first and grouped into runs of consecutive rows (some optimal grouping has that
+    form: a group costs its size times its first row's length); the best runs come from dynamic programming over
+    the sorted rows, best[i] = min over group ends j of (j - i) x length[i] + overhead + best[j].
+    """
+    import numpy as np
+
     longest = int(lengths[rows].max()) if len(rows) else 0
     if longest > max_token_len:
         raise ValueError(f"a sequence of {longest} tokens does not fit the micro-batch token budget "
                          f"{max_token_len}; raise ppo_max_token_len_per_gpu to at least {longest}")
     order = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
-    groups: list[list[int]] = []
-    for row in order.tolist():
-        # rows come longest first, so a group's first row sets its padded length
-        if groups and (len(groups[-1]) + 1) * int(lengths[groups[-1][0]]) <= max_token_len:
-            groups[-1].append(row)
-        else:
-            groups.append([row])
-    return [torch.tensor(g, dtype=torch.long) for g in groups]
+    length = lengths[order].numpy().astype(np.int64)
+    n = len(order)
+    best = np.zeros(n + 1, dtype=np.int64)  # best[i]: cost of rows i.. (sorted order)
+    end = np.full(n + 1, n, dtype=np.int64)
+    for i in range(n - 1, -1, -1):
+        ends = np.arange(i + 1, min(n, i + max_token_len // max(int(length[i]), 1)) + 1)
+        cost = (ends - i) * length[i] + overhead_tokens + best[ends]
+        pick = len(cost) - 1 - int(np.argmin(cost[::-1]))  # on ties, the larger group
+        best[i], end[i] = cost[pick], ends[pick]
+    groups, i = [], 0
+    while i < n:
+        groups.append(order[i:end[i]].clone())
+        i = int(end[i])
+    return groups
 
 
 def split_to_multiple(groups: list[torch.Tensor], multiple: int) -> list[torch.Tensor]:

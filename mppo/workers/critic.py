@@ -80,7 +80,7 @@ class CriticWorker:
 
         with torch.no_grad():
             outs = run_forward_only(self.model, micro, response_forward_step(make_loss_fn, hidden_only=False),
-                                    len(rows))
+                                    len(rows), phase="critic/values")
         return outs["values"] * batch["response_mask"].to(outs["values"].dtype)
 
     def update(self, batch: Batch) -> dict[str, float | bool]:

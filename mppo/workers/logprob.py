@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from mppo.workers.base import output_weight, response_forward_step, response_rows
-from mppo.workers.batching import Batch, MicroBatch, make_micro_batches, pad_to_uniform, scatter_rows
+from mppo.workers.batching import TOKEN_COUNTER, Batch, MicroBatch, make_micro_batches, pad_to_uniform, scatter_rows
 from mppo.workers.pipeline import needs_uniform_shapes, run_pipeline, vocab_parallel_logprob_entropy
 
 # (hidden [N, h], weight shard [V_local, h], labels [N], temperature, valid vocab, compute_entropy)
@@ -82,18 +82,25 @@ def micro_batches_for(batch: Batch, rows: torch.Tensor, model_chunks: Sequence[n
                               multiple_of=pp if vpp else 1)
 
 
-def pipeline_inputs(model_chunks: Sequence[nn.Module], micro_batches: Sequence[MicroBatch]) -> list[Batch]:
-    """Micro-batch data as the schedule takes it (one shape for the interleaved schedule)."""
+def pipeline_inputs(model_chunks: Sequence[nn.Module], micro_batches: Sequence[MicroBatch], *,
+                    phase: str) -> list[Batch]:
+    """Micro-batch data as the schedule takes it (one shape for the interleaved schedule); their real and
+    processed tokens are added to TOKEN_COUNTER under `phase`."""
     if needs_uniform_shapes(model_chunks):
-        return pad_to_uniform(micro_batches)
-    return [mb.data for mb in micro_batches]
+        inputs = pad_to_uniform(micro_batches)
+    else:
+        inputs = [mb.data for mb in micro_batches]
+    for mb, data in zip(micro_batches, inputs):
+        TOKEN_COUNTER.add(phase, mb.real_tokens, data["input_ids"].numel())
+    return inputs
 
 
 def run_forward_only(model_chunks: Sequence[nn.Module], micro_batches: Sequence[MicroBatch], step,
-                     num_rows: int) -> dict[str, torch.Tensor]:
+                     num_rows: int, *, phase: str) -> dict[str, torch.Tensor]:
     """Forward-only pipeline over micro-batches; every [b, T] output reassembled in batch row order on every
-    rank."""
-    outs = run_pipeline(model_chunks, pipeline_inputs(model_chunks, micro_batches), step, forward_only=True)
+    rank. `phase` names it in TOKEN_COUNTER."""
+    outs = run_pipeline(model_chunks, pipeline_inputs(model_chunks, micro_batches, phase=phase), step,
+                        forward_only=True)
     keys = outs[0].keys()
     return {k: scatter_rows([(mb.rows, o[k][:len(mb.rows)]) for mb, o in zip(micro_batches, outs)], num_rows)
             for k in keys}
@@ -101,9 +108,10 @@ def run_forward_only(model_chunks: Sequence[nn.Module], micro_batches: Sequence[
 
 def compute_response_logprobs(model_chunks: Sequence[nn.Module], batch: Batch, logprob_fn: TokenLogProbFn, *,
                               vocab_size: int, temperature: float, micro_batch_size: int | None,
-                              max_token_len: int | None,
-                              calculate_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Forward-only log-probs [B, T] (and entropy) of a validated batch, on every rank."""
+                              max_token_len: int | None, calculate_entropy: bool,
+                              phase: str = "log_prob") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward-only log-probs [B, T] (and entropy) of a validated batch, on every rank (`phase`: its name in
+    TOKEN_COUNTER)."""
     rows = torch.arange(batch["input_ids"].shape[0])
     micro_batches = micro_batches_for(batch, rows, model_chunks, micro_batch_size=micro_batch_size,
                                       max_token_len=max_token_len)
@@ -119,5 +127,5 @@ def compute_response_logprobs(model_chunks: Sequence[nn.Module], batch: Batch, l
         return loss_fn
 
     step = response_forward_step(make_loss_fn, hidden_only=True)
-    outs = run_forward_only(model_chunks, micro_batches, step, len(rows))
+    outs = run_forward_only(model_chunks, micro_batches, step, len(rows), phase=phase)
     return outs["log_probs"], outs.get("entropy")

@@ -23,12 +23,15 @@ class ReferenceWorker:
     """Frozen policy on this rank's TP/PP shard. `compute_log_prob` is collective over every rank.
 
     `ref_cfg` must be resolved (mppo.config fills its nulls from the actor's); `logprob_impl` and
-    `kernel_backend` are the actor's settings (actor.logprob_impl, actor.kernel_backend).
+    `kernel_backend` are the actor's settings (actor.logprob_impl, actor.kernel_backend). `max_token_len` set
+    makes micro-batches by token budget the default (veRL's ref.log_prob_use_dynamic_bsz, which follows the
+    actor's use_dynamic_bsz / ppo_max_token_len_per_gpu); None: by count.
     """
 
     def __init__(self, model_cfg: ModelConfig, ref_cfg: RefConfig, dims: ParallelDims, hf_dir: str | Path, *,
-                 logprob_impl: str = "fused", kernel_backend: str = "auto"):
+                 logprob_impl: str = "fused", kernel_backend: str = "auto", max_token_len: int | None = None):
         self.cfg, self.dims = ref_cfg, dims
+        self.max_token_len = max_token_len
         self.hf_args, self.model, self.dtype = build_role_model(hf_dir, dims, role="ref", model_cfg=model_cfg,
                                                                 megatron=ref_cfg.megatron)
         self.logprob_fn = make_logprob_fn(logprob_impl, kernel_backend)
@@ -55,10 +58,13 @@ class ReferenceWorker:
     def compute_log_prob(self, batch: Batch, *, temperature: float, micro_batch_size: int | None = None,
                          max_token_len: int | None = None) -> torch.Tensor:
         """Reference log-probs [B, T] fp32 of the response tokens on every rank (0 at response padding).
-        Micro-batches by count (default: ref.log_prob_micro_batch_size_per_gpu) or by token budget."""
+        Micro-batches by count (default: ref.log_prob_micro_batch_size_per_gpu) or by token budget (default when
+        the worker has a `max_token_len`)."""
         validate_batch(batch)
         if micro_batch_size is not None and max_token_len is not None:
             raise ValueError("give micro_batch_size (by count) or max_token_len (token budget), not both")
+        if micro_batch_size is None and max_token_len is None:
+            max_token_len = self.max_token_len
         if micro_batch_size is None and max_token_len is None:
             micro_batch_size = self.cfg.log_prob_micro_batch_size_per_gpu
             if micro_batch_size is None:
@@ -68,5 +74,6 @@ class ReferenceWorker:
         with torch.no_grad(), self._on_device():
             log_probs, _ = compute_response_logprobs(
                 self.model, batch, self.logprob_fn, vocab_size=self.hf_args.vocab_size, temperature=temperature,
-                micro_batch_size=micro_batch_size, max_token_len=max_token_len, calculate_entropy=False)
+                micro_batch_size=micro_batch_size, max_token_len=max_token_len, calculate_entropy=False,
+                phase="ref/log_prob")
         return log_probs

@@ -95,7 +95,7 @@ class TrainLoop:
                 micro = micro_batches_for(batch, mini_rows, self.model, micro_batch_size=self.micro_batch_size
                                           if not self.use_dynamic_bsz else None,
                                           max_token_len=self.max_token_len if self.use_dynamic_bsz else None)
-                yield pipeline_inputs(self.model, micro), info
+                yield pipeline_inputs(self.model, micro, phase=f"{self.role}/update"), info
 
     def step(self, micro_batches: Sequence[Batch], forward_step: ForwardStep, metrics: StepMetrics,
              info: GlobalBatchInfo) -> StepResult:
