@@ -7,7 +7,7 @@ CONSTRAINTS ?= constraints-cpu.txt
 STAMP := $(VENV)/.mppo-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test install clean
+.PHONY: demo test test-gpu install clean
 
 install: $(STAMP)
 
@@ -25,6 +25,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+# The GPU tier: on a machine with CUDA and the GPU stack already installed (not run by CI, which has no GPU).
+test-gpu:
+	MPPO_TEST_ON_GPU=1 python3 -m pytest tests/gpu tests/test_kernels_triton.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -90,7 +90,7 @@ class CPURolloutEngine(RolloutEngine):
             received[id(param)] = name
         elif first == name:
             raise ValueError(f"update_weights: weight {name!r} was sent twice in one update")
-        elif not torch.equal(param, tensor.to(param.dtype)):
+        elif not torch.equal(param, tensor.to(param.device, param.dtype)):
             raise ValueError(
                 f"update_weights: {name!r} is tied to {first!r} in this model but the stream gave them "
                 "different values"

@@ -44,7 +44,7 @@ def hf_reference(hf, batches, head: tuple[torch.Tensor, torch.Tensor] | None = N
             out = hf(ids)
             logits = out.logits.float()
             logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)
-            next_lp = torch.zeros(ids.shape)
+            next_lp = torch.zeros(ids.shape, device=ids.device)
             next_lp[:, :-1] = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
             ent = -(logp.exp() * logp).sum(-1)
             ent[:, -1] = 0
@@ -67,7 +67,7 @@ def logits_forward_step(vocab: int):
 
     def step(model, batch):
         ids = batch["input_ids"]
-        out = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
+        out = model(ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), None)
         if not model.post_process:
             return out, None
 

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Every GPU check in one run, for a machine with CUDA, PyTorch and Triton already installed (the project's GPU
+# tier; CI has no GPU). Wheels in .whl/ (megatron-core, omegaconf, liger-kernel, ...) are installed first when the
+# machine cannot reach an index. Results: $OUT/log.txt, $OUT/doctor.json, $OUT/bench_kernels.json,
+# $OUT/reports/*.json (numbers the tests measured).
+#   OUT=/tmp/gpu-out bash tests/gpu/run_device_checks.sh
+set -u
+OUT="${OUT:-/tmp/mppo-gpu-checks}"
+mkdir -p "$OUT/reports"
+exec > >(tee "$OUT/log.txt") 2>&1
+export PYTHONUNBUFFERED=1 MPPO_TEST_ON_GPU=1 MPPO_GPU_REPORT_DIR="$OUT/reports"
+PY="${PYTHON:-python3}"
+stage() { echo; echo "=== $(date +%T) $*"; }
+
+stage "install"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl || echo "wheel install FAILED"
+fi
+"$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || echo "mppo install FAILED"
+# mppo.kernels is shipped from kernels/ (setup.py package_dir); without the editable install, link it in place.
+"$PY" -c "import mppo.kernels" 2>/dev/null || ln -sfn ../kernels mppo/kernels
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+"$PY" -m pip list 2>/dev/null | grep -iE "^(torch|triton|transformers|megatron-core|omegaconf|liger-kernel) "
+
+stage "mppo doctor"
+timeout 90 "$PY" -m mppo doctor --json > "$OUT/doctor.json"; echo "doctor rc=$?"
+head -c 3000 "$OUT/doctor.json"; echo
+
+stage "GPU tests (megatron vs HF, trainer GPU vs CPU, kernels)"
+timeout 330 "$PY" -m pytest -q -p no:cacheprovider tests/gpu tests/test_kernels_triton.py --timeout=320 \
+  -o addopts="-ra --durations=10"
+echo "pytest rc=$?"
+
+stage "kernel benchmark (naive / torch / triton / liger)"
+timeout 110 "$PY" -m mppo bench kernels --device cuda --cases 8192x896,16384x2048 --vocab 151936 \
+  --json "$OUT/bench_kernels.json"
+echo "bench rc=$?"
+stage "done"
