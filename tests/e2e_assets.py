@@ -5,6 +5,20 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+# A random model never solves countdown, so every score, advantage and loss of a step would be 0 and comparisons
+# of them would prove nothing. This reward (a user reward function, as `reward.custom_fn` loads one) gives every
+# response a different non-zero score.
+DENSE_REWARD_FN = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    text = solution_str or ""
+    return (sum(ch.isdigit() for ch in text) + 0.25 * len(set(text))) / (1.0 + len(text))
+'''
+
+
+def dense_reward(root: Path) -> list[str]:
+    """Overrides that score with DENSE_REWARD_FN (written by make_assets)."""
+    return [f"reward.custom_fn.path={root}/dense_reward.py"]
+
 
 def make_assets(root: Path, *, train_size: int = 64, test_size: int = 16, hidden: int = 32,
                 layers: int = 2) -> Path:
@@ -25,6 +39,7 @@ def make_assets(root: Path, *, train_size: int = 64, test_size: int = 16, hidden
                          max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     Qwen2ForCausalLM(config).save_pretrained(root / "model", safe_serialization=True)
+    (root / "dense_reward.py").write_text(DENSE_REWARD_FN)
     return root
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from dist_util import REPO, free_port
-from e2e_assets import make_assets, tiny_overrides
+from e2e_assets import dense_reward, make_assets, tiny_overrides
 
 NODES, RANKS_PER_NODE = 2, 2
 WORLD = NODES * RANKS_PER_NODE
@@ -32,11 +32,6 @@ WORLD = NODES * RANKS_PER_NODE
 CLOCK_KEYS = ("timing_s/", "perf/mfu", "perf/throughput", "perf/time_per_step", "perf/weight_sync_gb_per_s")
 
 # Dense and sample-dependent, so advantages, losses and gradients are far from zero at step 1.
-REWARD_FN = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    text = solution_str or ""
-    return (sum(ch.isdigit() for ch in text) + 0.25 * len(set(text))) / (1.0 + len(text))
-'''
 
 FAKE_SCONTROL = """#!/usr/bin/env bash
 [[ "$1 $2" == "show hostnames" ]] || { echo "fake scontrol: unexpected arguments: $*" >&2; exit 1; }
@@ -74,16 +69,14 @@ LAYOUT_LINE = re.compile(r"\[rank (\d+)\] INFO parallel layout: rank (\d+)/(\d+)
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
-    root = make_assets(tmp_path_factory.mktemp("assets"), train_size=16, test_size=8)
-    (root / "dense_reward.py").write_text(REWARD_FN)
-    return root
+    return make_assets(tmp_path_factory.mktemp("assets"), train_size=16, test_size=8)
 
 
 def run_overrides(assets: Path, run_dir: Path, per_node: int) -> list[str]:
     """2 steps of the demo config at TP=2, validation only after the last step, the dense reward."""
     return tiny_overrides(assets, run_dir, world=per_node, tp=2, steps=2) + [
         "trainer.test_freq=2", "trainer.val_before_train=false", "data.val_batch_size=8",
-        f"reward.custom_fn.path={assets}/dense_reward.py", "trainer.collective_timeout_s=120"]
+        *dense_reward(assets), "trainer.collective_timeout_s=120"]
 
 
 def run_group(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, float]:

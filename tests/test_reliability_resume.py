@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 import pytest
-from e2e_assets import tiny_overrides
+from e2e_assets import dense_reward, tiny_overrides
 from reliability_launch import computed, read_metrics, session_assets, train
 
 STEPS = 3
@@ -29,7 +29,7 @@ def assets(tmp_path_factory) -> Path:
 
 
 def _overrides(assets: Path, run_dir: Path) -> list[str]:
-    return tiny_overrides(assets, run_dir, world=2, steps=STEPS) + ["trainer.max_ckpt_to_keep=2"]
+    return tiny_overrides(assets, run_dir, world=2, steps=STEPS) + dense_reward(assets) + ["trainer.max_ckpt_to_keep=2"]
 
 
 def _killed(launch, rank: str = r"\d") -> None:

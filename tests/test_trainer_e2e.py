@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dist_util import REPO, free_port
-from e2e_assets import make_assets, tiny_overrides
+from e2e_assets import dense_reward, make_assets, tiny_overrides
 
 # Sampling, rewards and rollouts are identical across layouts; losses differ only by fp32 reduction order.
 STEP1_KEYS = ("critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "critic/advantages/max",
@@ -44,9 +44,10 @@ def metrics(run_dir: Path) -> dict[int, dict]:
 def test_ppo_gae_layouts_agree_and_tp2_pp2_trains(assets, tmp_path):
     """Same seed ⇒ the same step-1 metrics at TP1×PP1 (1 rank) and TP2×PP2 (4 ranks); 3 steps run at TP2×PP2."""
     single, parallel = tmp_path / "tp1", tmp_path / "tp2pp2"
-    train(1, tiny_overrides(assets, single, world=1, steps=1))
-    train(4, tiny_overrides(assets, parallel, world=4, tp=2, pp=2, steps=3))
+    train(1, tiny_overrides(assets, single, world=1, steps=1) + dense_reward(assets))
+    train(4, tiny_overrides(assets, parallel, world=4, tp=2, pp=2, steps=3) + dense_reward(assets))
     a, b = metrics(single), metrics(parallel)
+    assert all(a[1][key] != 0 for key in ("critic/score/mean", "actor/grad_norm", "critic/vf_loss"))
     for key in STEP1_KEYS:
         assert b[1][key] == pytest.approx(a[1][key], rel=1e-4, abs=1e-5), key
     assert a[0]["val/test_score/countdown"] == b[0]["val/test_score/countdown"]
@@ -69,12 +70,24 @@ def test_grpo_tp2_and_resume_pp2(assets, tmp_path):
     assert "critic/values/mean" not in m[1]
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(2, tiny_overrides(assets, straight, world=2, pp=2, steps=3))
-    train(2, tiny_overrides(assets, resumed, world=2, pp=2, steps=2))
-    proc = train(2, tiny_overrides(assets, resumed, world=2, pp=2, steps=3))
+    train(2, tiny_overrides(assets, straight, world=2, pp=2, steps=3) + dense_reward(assets))
+    train(2, tiny_overrides(assets, resumed, world=2, pp=2, steps=2) + dense_reward(assets))
+    proc = train(2, tiny_overrides(assets, resumed, world=2, pp=2, steps=3) + dense_reward(assets))
     assert "resumed from" in proc.stderr
     s, r = metrics(straight), metrics(resumed)
     assert sorted(r) == [0, 1, 2, 3]
     for key, value in s[3].items():
         if not key.startswith(("timing_s/", "perf/")):
             assert r[3][key] == value, key
+
+
+def test_bf16_model_checkpoints_and_resumes(assets, tmp_path):
+    """bf16 parameters (the GPU default) on CPU: every parameter in bf16, the distributed optimizer's checkpoint
+    is written after step 1 and a restart resumes from it (megatron-core cannot checkpoint a mixed-dtype model)."""
+    run = tmp_path / "bf16"
+    overrides = dense_reward(assets) + ["actor_rollout_ref.model.dtype=bf16", "critic.enable=false"]
+    train(1, tiny_overrides(assets, run, world=1, steps=1, estimator="grpo", n=2) + overrides)
+    proc = train(1, tiny_overrides(assets, run, world=1, steps=2, estimator="grpo", n=2) + overrides)
+    assert "resumed from" in proc.stderr
+    m = metrics(run)
+    assert sorted(m) == [0, 1, 2] and m[2]["actor/grad_norm"] > 0

@@ -110,6 +110,12 @@ def build_gpt_model(hf: HFModelArgs | str | Path, dims: ParallelDims, *, role: R
         if role == "critic" and model.post_process:
             model.output_layer = ValueHead(args.hidden_size, device=dims.device)
         model.to(dims.device)
+        if dtype != torch.float32:
+            # Every parameter in the model dtype, as megatron's Float16Module makes it: the local spec's norms are
+            # created in fp32, and a model of mixed dtypes gets two grad buffers whose distributed-optimizer
+            # checkpoint (dp-reshardable) megatron-core 0.16 cannot write. Buffers (rotary inv_freq) stay fp32.
+            for param in model.parameters():
+                param.data = param.data.to(dtype)
         if role == "ref":
             model.requires_grad_(False)
             model.eval()

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from mppo.data.loader import PromptBatch
 from mppo.parallel import ParallelDims
+from mppo.trainer.rollout_batch import collective_device
 
 
 class ModelParallelIO:
@@ -55,7 +56,8 @@ class ModelParallelIO:
         if self.dp_group is None or dist.get_world_size(self.dp_group) == 1 or not metrics:
             return metrics
         keys = sorted(metrics)
-        values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64,
+                              device=collective_device(self.dp_group))
         dist.all_reduce(values, group=self.dp_group)
         values /= dist.get_world_size(self.dp_group)
         return dict(zip(keys, values.tolist()))

@@ -178,7 +178,7 @@ def split_by_tokens(rows: torch.Tensor, lengths: torch.Tensor, max_token_len: in
         raise ValueError(f"a sequence of {longest} tokens does not fit the micro-batch token budget "
                          f"{max_token_len}; raise ppo_max_token_len_per_gpu to at least {longest}")
     order = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
-    length = lengths[order].numpy().astype(np.int64)
+    length = lengths[order].cpu().numpy().astype(np.int64)
     n = len(order)
     best = np.zeros(n + 1, dtype=np.int64)  # best[i]: cost of rows i.. (sorted order)
     end = np.full(n + 1, n, dtype=np.int64)

@@ -4,6 +4,7 @@
 # machine cannot reach an index. Results: $OUT/log.txt, $OUT/doctor.json, $OUT/bench_kernels.json,
 # $OUT/reports/*.json (numbers the tests measured).
 #   OUT=/tmp/gpu-out bash tests/gpu/run_device_checks.sh
+# STAGES picks stages (default "doctor tests bench"; also "tune"), GPU_TESTS the pytest targets, BENCH_IMPLS the kernels compared.
 set -u
 OUT="${OUT:-/tmp/mppo-gpu-checks}"
 mkdir -p "$OUT/reports"
@@ -16,23 +17,37 @@ stage "install"
 if compgen -G ".whl/*.whl" > /dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl || echo "wheel install FAILED"
 fi
-"$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || echo "mppo install FAILED"
-# mppo.kernels is shipped from kernels/ (setup.py package_dir); without the editable install, link it in place.
+# Run from the checkout (an offline editable install needs build tools from an index). mppo.kernels is shipped
+# from kernels/ (setup.py package_dir), so link it in place when it does not import.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import mppo.kernels" 2>/dev/null || ln -sfn ../kernels mppo/kernels
+STAGES="${STAGES:-doctor tests bench}"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 "$PY" -m pip list 2>/dev/null | grep -iE "^(torch|triton|transformers|megatron-core|omegaconf|liger-kernel) "
 
-stage "mppo doctor"
-timeout 90 "$PY" -m mppo doctor --json > "$OUT/doctor.json"; echo "doctor rc=$?"
-head -c 3000 "$OUT/doctor.json"; echo
+if [[ " $STAGES " == *" doctor "* ]]; then
+  stage "mppo doctor"
+  timeout 90 "$PY" -m mppo doctor --json > "$OUT/doctor.json"; echo "doctor rc=$?"
+  head -c 3000 "$OUT/doctor.json"; echo
+fi
 
-stage "GPU tests (megatron vs HF, trainer GPU vs CPU, kernels)"
-timeout 330 "$PY" -m pytest -q -p no:cacheprovider tests/gpu tests/test_kernels_triton.py --timeout=320 \
-  -o addopts="-ra --durations=10"
-echo "pytest rc=$?"
+if [[ " $STAGES " == *" tests "* ]]; then
+  stage "GPU tests (megatron vs HF, trainer GPU vs CPU, kernels)"
+  # shellcheck disable=SC2086  # GPU_TESTS is a list of paths
+  timeout 330 "$PY" -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu tests/test_kernels_triton.py} \
+    --timeout=320 -o addopts="-ra --durations=10"
+  echo "pytest rc=$?"
+fi
 
-stage "kernel benchmark (naive / torch / triton / liger)"
-timeout 110 "$PY" -m mppo bench kernels --device cuda --cases 8192x896,16384x2048 --vocab 151936 \
-  --json "$OUT/bench_kernels.json"
-echo "bench rc=$?"
+if [[ " $STAGES " == *" tune "* ]]; then
+  stage "Triton log-prob tile shapes vs Liger"
+  timeout 120 "$PY" tests/gpu/tune_logprob_triton.py | tee "$OUT/tune_logprob.json"
+fi
+
+if [[ " $STAGES " == *" bench "* ]]; then
+  stage "kernel benchmark"
+  timeout 110 "$PY" -m mppo bench kernels --device cuda --cases 8192x896,16384x2048 --vocab 151936 \
+    --impls "${BENCH_IMPLS:-naive,torch,triton,liger}" --json "$OUT/bench_kernels.json"
+  echo "bench rc=$?"
+fi
 stage "done"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dist_util import REPO, free_port
-from e2e_assets import make_assets, tiny_overrides
+from e2e_assets import dense_reward, make_assets, tiny_overrides
 from gpu_report import report
 
 STEP1_KEYS = ("critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "critic/returns/mean",
@@ -50,9 +50,11 @@ def assets(tmp_path_factory) -> Path:
 
 def test_ppo_step_on_gpu_matches_cpu(assets, tmp_path):
     cpu, gpu = tmp_path / "cpu", tmp_path / "gpu"
-    train(tiny_overrides(assets, cpu, world=1, steps=2), gpu=False)
-    train(tiny_overrides(assets, gpu, world=1, steps=2) + ["actor_rollout_ref.actor.kernel_backend=triton"], gpu=True)
+    train(tiny_overrides(assets, cpu, world=1, steps=2) + dense_reward(assets), gpu=False)
+    train(tiny_overrides(assets, gpu, world=1, steps=2) + dense_reward(assets)
+          + ["actor_rollout_ref.actor.kernel_backend=triton"], gpu=True)
     a, b = metrics(cpu), metrics(gpu)
+    assert all(a[1][key] != 0 for key in ("critic/score/mean", "actor/grad_norm", "critic/vf_loss"))
     report("trainer_ppo_cpu_vs_gpu", {k: {"cpu": a[1].get(k), "gpu": b[1].get(k)} for k in STEP1_KEYS}
            | {"gpu_timing_step2": {k: v for k, v in b[2].items() if k.startswith(("timing_s/", "perf/"))}})
     for key in STEP1_KEYS:
