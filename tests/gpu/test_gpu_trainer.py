@@ -64,7 +64,7 @@ def test_ppo_step_on_gpu_matches_cpu(assets, tmp_path):
 
 def test_grpo_bf16_on_gpu_runs(assets, tmp_path):
     run = tmp_path / "grpo_bf16"
-    train(tiny_overrides(assets, run, world=1, steps=3, estimator="grpo", n=4)
+    train(tiny_overrides(assets, run, world=1, steps=3, estimator="grpo", n=4) + dense_reward(assets)
           + ["actor_rollout_ref.model.dtype=bf16", "actor_rollout_ref.actor.kernel_backend=triton"], gpu=True)
     m = metrics(run)
     report("trainer_grpo_bf16", {s: {k: v for k, v in m[s].items() if not k.startswith("timing")} for s in m})
@@ -72,3 +72,4 @@ def test_grpo_bf16_on_gpu_runs(assets, tmp_path):
     for step in (1, 2, 3):
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean"):
             assert math.isfinite(m[step][key]), (step, key)
+        assert m[step]["actor/grad_norm"] > 0, step
