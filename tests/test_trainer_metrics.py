@@ -78,3 +78,22 @@ def test_tensorboard_events_written(tmp_path):
     logger.log(1, {"actor/pg_loss": 0.5})
     logger.close()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_tensorboard_hides_the_interrupted_runs_steps_after_resume(tmp_path):
+    """A run logged steps 1-3, crashed, and resumed from the step-1 checkpoint: TensorBoard must show steps 1, 2, 3
+    once each, with the resumed run's values (as metrics.jsonl does)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = MetricsLogger(tmp_path, ["tensorboard"], enabled=True, project="p", experiment="e")
+    for step in (1, 2, 3):
+        first.log(step, {"x": float(step)})
+    first.close()
+    resumed = MetricsLogger(tmp_path, ["tensorboard"], enabled=True, project="p", experiment="e")
+    resumed.truncate_after(1)
+    for step in (2, 3):
+        resumed.log(step, {"x": 10.0 * step})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("x")] == [(1, 1.0), (2, 20.0), (3, 30.0)]

@@ -82,12 +82,35 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _digests(root: Path, files: list[tuple[str, int]]) -> dict[str, str]:
+    """blake2b of each (relative path, size) under `root`, the hashing spread over every rank (collective).
+
+    A checkpoint of a large model is hundreds of GB; hashed by rank 0 alone that takes minutes while every other
+    rank waits in a barrier. Files are dealt largest first, round-robin, so each rank reads about 1/world of it.
+    A file that is missing on disk gets no digest.
+    """
+    order = sorted(files, key=lambda f: (-f[1], f[0]))
+    mine = {rel: file_digest(root / rel) for rel, _ in order[_rank()::_world()] if (root / rel).is_file()}
+    if _world() == 1:
+        return mine
+    parts: list[dict[str, str] | None] = [None] * _world()
+    dist.all_gather_object(parts, mine)
+    return {rel: digest for part in parts for rel, digest in (part or {}).items()}
+
+
 def _inventory(root: Path) -> dict[str, dict[str, Any]]:
-    files = {}
-    for path in sorted(root.rglob("*")):
-        if path.is_file() and path.name != MANIFEST:
-            files[str(path.relative_to(root))] = {"size": path.stat().st_size, "blake2b": file_digest(path)}
-    return files
+    """{relative path: size and checksum} of every file under `root` but the manifest (collective)."""
+    listing = None
+    if _rank() == 0:
+        listing = [(str(path.relative_to(root)), path.stat().st_size) for path in sorted(root.rglob("*"))
+                   if path.is_file() and path.name != MANIFEST]
+    listing = _from_rank0(listing)
+    digests = _digests(root, listing)
+    return {rel: {"size": size, "blake2b": digests[rel]} for rel, size in listing}
 
 
 class CheckpointManager:
@@ -134,11 +157,13 @@ class CheckpointManager:
             write(tmp / name)
             if fault_hook:
                 fault_hook(f"after:{name}")
-        _barrier()
         if _rank() == 0:
             (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1, sort_keys=True))
+        _barrier()
+        files = _inventory(tmp)
+        if _rank() == 0:
             manifest = {"step": step, "config_hash": self.config_hash, "config": self.resume_config,
-                        "layout": self.layout, "files": _inventory(tmp)}
+                        "layout": self.layout, "files": files}
             _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
             if fault_hook:
                 fault_hook("before:rename")
@@ -163,52 +188,64 @@ class CheckpointManager:
         return [int(m.group(1)) for p in self.root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
 
     def verify(self, path: Path) -> dict[str, Any]:
-        """Return the manifest of a complete, uncorrupted checkpoint, else raise CheckpointError with the reason."""
-        manifest_path = path / MANIFEST
-        if not manifest_path.is_file():
-            raise CheckpointError(f"{path}: no {MANIFEST} (the write did not finish)")
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError as err:
-            raise CheckpointError(f"{manifest_path}: unreadable manifest ({err})") from err
-        for rel, expected in manifest.get("files", {}).items():
+        """Return the manifest of a complete, uncorrupted checkpoint, else raise CheckpointError with the reason.
+
+        Collective under torch.distributed: rank 0 reads the manifest, every rank checks a share of the files.
+        """
+        manifest = _from_rank0(_read_manifest(path) if _rank() == 0 else None)
+        if isinstance(manifest, CheckpointError):
+            raise CheckpointError(str(manifest))
+        listed = manifest.get("files", {})
+        problems = []
+        for rel, expected in sorted(listed.items()):
             file = path / rel
             if not file.is_file():
-                raise CheckpointError(f"{file}: listed in the manifest but missing")
-            if file.stat().st_size != expected["size"]:
-                raise CheckpointError(f"{file}: size {file.stat().st_size} != {expected['size']} in the manifest")
-            if file_digest(file) != expected["blake2b"]:
-                raise CheckpointError(f"{file}: checksum does not match the manifest (corrupt)")
-        for rel in manifest.get("files", {}):
-            _vet_pickled(path / rel)
+                problems.append(f"{file}: listed in the manifest but missing")
+            elif file.stat().st_size != expected["size"]:
+                problems.append(f"{file}: size {file.stat().st_size} != {expected['size']} in the manifest")
+        problems = _from_rank0(problems if _rank() == 0 else None)  # rank 0's view decides for all
+        if problems:
+            raise CheckpointError(problems[0])
+        digests = _digests(path, [(rel, expected["size"]) for rel, expected in listed.items()])
+        for rel, expected in sorted(listed.items()):
+            if digests.get(rel) != expected["blake2b"]:
+                raise CheckpointError(f"{path / rel}: checksum does not match the manifest (corrupt)")
+        refused = None
+        if _rank() == 0:
+            try:
+                for rel in listed:
+                    _vet_pickled(path / rel)
+            except CheckpointError as err:
+                refused = err
+        refused = _from_rank0(refused)
+        if refused is not None:
+            raise CheckpointError(str(refused))
         return manifest
 
     def latest(self) -> CheckpointInfo | None:
         """The newest complete checkpoint that belongs to this run; corrupt ones are reported and skipped.
 
         A complete checkpoint of ANOTHER run (different model or incompatible config) is an error, not a skip:
-        resuming from it would silently change the run. Collective: rank 0 reads, every rank gets its answer.
+        resuming from it would silently change the run. Collective: every rank takes the same decision.
         """
-        found: CheckpointInfo | CheckpointError | None = None
-        if _rank() == 0:
-            try:
-                found = self._find_latest()
-            except CheckpointError as err:
-                found = err
-        found = _from_rank0(found)
-        if isinstance(found, CheckpointError):
-            raise CheckpointError(str(found))
-        return found
-
-    def _find_latest(self) -> CheckpointInfo | None:
-        for step in sorted(self._candidate_steps(), reverse=True):
+        steps = _from_rank0(sorted(self._candidate_steps(), reverse=True) if _rank() == 0 else None)
+        for step in steps:
             path = self.step_dir(step)
             try:
                 manifest = self.verify(path)
             except CheckpointError as err:
-                log.warning("skipping checkpoint %s", err)
+                if _rank() == 0:
+                    log.warning("skipping checkpoint %s", err)
                 continue
-            self.check_compatible(path, manifest)
+            incompatible = None
+            if _rank() == 0:
+                try:
+                    self.check_compatible(path, manifest)
+                except CheckpointError as err:
+                    incompatible = err
+            incompatible = _from_rank0(incompatible)
+            if incompatible is not None:
+                raise CheckpointError(str(incompatible))
             return CheckpointInfo(step=step, path=path, manifest=manifest)
         return None
 
@@ -256,6 +293,16 @@ class _MetadataUnpickler(pickle.Unpickler):
         if name in _METADATA_GLOBALS.get(module, ()) or is_dtype:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"it references {module}.{name}, which is not checkpoint metadata")
+
+
+def _read_manifest(path: Path) -> dict[str, Any] | CheckpointError:
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        return CheckpointError(f"{path}: no {MANIFEST} (the write did not finish)")
+    try:
+        return json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as err:
+        return CheckpointError(f"{manifest_path}: unreadable manifest ({err})")
 
 
 def _vet_pickled(file: Path) -> None:

@@ -121,10 +121,9 @@ class MetricsLogger:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if "tensorboard" in loggers:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        # TensorBoard's writer is made at the first log, once a resume (truncate_after) may have set a purge step.
+        self._tb_dir = Path(run_dir) / "tensorboard" if "tensorboard" in loggers else None
+        self._tb_purge_step: int | None = None
         if "wandb" in loggers:
             try:
                 import wandb
@@ -135,7 +134,10 @@ class MetricsLogger:
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop lines of steps after the checkpoint so the file reads as one uninterrupted run."""
-        if not self.enabled or not self.path.exists():
+        if not self.enabled:
+            return
+        self._tb_purge_step = step + 1  # TensorBoard hides the interrupted run's events from this step on
+        if not self.path.exists():
             return
         kept = [line for line in self.path.read_text().splitlines()
                 if _parsed_step(line) is not None and _parsed_step(line) <= step]
@@ -147,6 +149,10 @@ class MetricsLogger:
         row = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        if self._tb is None and self._tb_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self._tb_dir), purge_step=self._tb_purge_step)
         if self._tb is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
