@@ -15,7 +15,7 @@ import time
 import warnings
 from typing import Sequence
 
-from mppo.config import ConfigError, load_config, to_yaml  # light: omegaconf + yaml, no torch
+from mppo.config import load_config, to_yaml  # light: omegaconf + yaml, no torch
 from mppo.errors import UserError
 
 # subcommand -> (module whose `main(argv: list[str]) -> int` runs it, one-line help). "{name}" in the module is

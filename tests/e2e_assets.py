@@ -1,6 +1,7 @@
 """A tiny, complete PPO run directory for end-to-end tests: countdown data, a local tokenizer, a random Qwen2."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -59,3 +60,13 @@ def tiny_overrides(root: Path, run_dir: Path, *, world: int, tp: int = 1, pp: in
         "trainer.save_freq=1", "trainer.val_before_train=true", f"trainer.default_local_dir={run_dir}",
         "trainer.logger=[console]",
     ]
+
+
+def step_metrics(run_dir: Path) -> dict[int, dict]:
+    """metrics.jsonl as {step: every metric logged for that step} (validation and training rows merged)."""
+    merged: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            merged.setdefault(row["step"], {}).update(row)
+    return merged

@@ -12,7 +12,6 @@ through the sbatch script's probe.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from dist_util import REPO, free_port
-from e2e_assets import dense_reward, make_assets, tiny_overrides
+from e2e_assets import dense_reward, make_assets, step_metrics, tiny_overrides
 
 NODES, RANKS_PER_NODE = 2, 2
 WORLD = NODES * RANKS_PER_NODE
@@ -116,15 +115,6 @@ def sbatch_env(tmp_path: Path, port: int, **extra: str) -> tuple[dict[str, str],
     return env, logs
 
 
-def metrics(run_dir: Path) -> dict[int, dict]:
-    merged: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            merged.setdefault(row["step"], {}).update(row)
-    return merged
-
-
 def layout_lines(text: str) -> dict[int, dict]:
     """Global rank -> what its start-up line says."""
     found = {}
@@ -170,7 +160,7 @@ def test_two_node_launch_matches_single_node(assets, tmp_path):
     for n, text in enumerate(node_logs):
         assert f"mppo node {n}/{NODES} on " in text and f"rendezvous 127.0.0.1:{port}" in text
 
-    a, b = metrics(single_dir), metrics(multi_dir)
+    a, b = step_metrics(single_dir), step_metrics(multi_dir)
     assert sorted(a) == sorted(b) == [1, 2]
     for step in (1, 2):
         assert a[step].keys() == b[step].keys(), step

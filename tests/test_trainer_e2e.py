@@ -2,7 +2,6 @@
 first step, and resume. Each run is the real CLI (`torchrun -m mppo train configs/demo_cpu.yaml ...`)."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dist_util import REPO, free_port
-from e2e_assets import dense_reward, make_assets, tiny_overrides
+from e2e_assets import dense_reward, make_assets, step_metrics, tiny_overrides
 
 # Sampling, rewards and rollouts are identical across layouts; losses differ only by fp32 reduction order.
 STEP1_KEYS = ("critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "critic/advantages/max",
@@ -33,20 +32,12 @@ def train(world: int, overrides: list[str], timeout: float = 600) -> subprocess.
     return proc
 
 
-def metrics(run_dir: Path) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    merged: dict[int, dict] = {}
-    for row in rows:
-        merged.setdefault(row["step"], {}).update(row)
-    return merged
-
-
 def test_ppo_gae_layouts_agree_and_tp2_pp2_trains(assets, tmp_path):
     """Same seed ⇒ the same step-1 metrics at TP1×PP1 (1 rank) and TP2×PP2 (4 ranks); 3 steps run at TP2×PP2."""
     single, parallel = tmp_path / "tp1", tmp_path / "tp2pp2"
     train(1, tiny_overrides(assets, single, world=1, steps=1) + dense_reward(assets))
     train(4, tiny_overrides(assets, parallel, world=4, tp=2, pp=2, steps=3) + dense_reward(assets))
-    a, b = metrics(single), metrics(parallel)
+    a, b = step_metrics(single), step_metrics(parallel)
     assert all(a[1][key] != 0 for key in ("critic/score/mean", "actor/grad_norm", "critic/vf_loss"))
     for key in STEP1_KEYS:
         assert b[1][key] == pytest.approx(a[1][key], rel=1e-4, abs=1e-5), key
@@ -65,7 +56,7 @@ def test_grpo_tp2_and_resume_pp2(assets, tmp_path):
     grpo = tmp_path / "grpo"
     train(2, tiny_overrides(assets, grpo, world=2, tp=2, steps=3, estimator="grpo", n=4) +
           ["critic.enable=false"])
-    m = metrics(grpo)
+    m = step_metrics(grpo)
     assert sorted(m) == [0, 1, 2, 3] and "critic/vf_loss" not in m[1]
     assert "critic/values/mean" not in m[1]
 
@@ -74,7 +65,7 @@ def test_grpo_tp2_and_resume_pp2(assets, tmp_path):
     train(2, tiny_overrides(assets, resumed, world=2, pp=2, steps=2) + dense_reward(assets))
     proc = train(2, tiny_overrides(assets, resumed, world=2, pp=2, steps=3) + dense_reward(assets))
     assert "resumed from" in proc.stderr
-    s, r = metrics(straight), metrics(resumed)
+    s, r = step_metrics(straight), step_metrics(resumed)
     assert sorted(r) == [0, 1, 2, 3]
     for key, value in s[3].items():
         if not key.startswith(("timing_s/", "perf/")):
@@ -89,5 +80,5 @@ def test_bf16_model_checkpoints_and_resumes(assets, tmp_path):
     train(1, tiny_overrides(assets, run, world=1, steps=1, estimator="grpo", n=2) + overrides)
     proc = train(1, tiny_overrides(assets, run, world=1, steps=2, estimator="grpo", n=2) + overrides)
     assert "resumed from" in proc.stderr
-    m = metrics(run)
+    m = step_metrics(run)
     assert sorted(m) == [0, 1, 2] and m[2]["actor/grad_norm"] > 0

@@ -1,7 +1,6 @@
 """Validation: generate on the validation set with `rollout.val_kwargs`, score, report `val/test_score/<source>`."""
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import TYPE_CHECKING
 
 import torch

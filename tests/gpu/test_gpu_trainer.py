@@ -3,7 +3,6 @@ on the CPU: the first step's metrics must agree (rollouts come from the CPU engi
 are identical and the losses differ only by device arithmetic). Then GRPO in bf16 runs and stays finite."""
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dist_util import REPO, free_port
-from e2e_assets import dense_reward, make_assets, tiny_overrides
+from e2e_assets import dense_reward, make_assets, step_metrics, tiny_overrides
 from gpu_report import report
 
 STEP1_KEYS = ("critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "critic/returns/mean",
@@ -34,15 +33,6 @@ def train(overrides: list[str], *, gpu: bool) -> subprocess.CompletedProcess:
     return proc
 
 
-def metrics(run_dir: Path) -> dict[int, dict]:
-    merged: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            merged.setdefault(row["step"], {}).update(row)
-    return merged
-
-
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
     return make_assets(tmp_path_factory.mktemp("assets"), hidden=64)
@@ -53,7 +43,7 @@ def test_ppo_step_on_gpu_matches_cpu(assets, tmp_path):
     train(tiny_overrides(assets, cpu, world=1, steps=2) + dense_reward(assets), gpu=False)
     train(tiny_overrides(assets, gpu, world=1, steps=2) + dense_reward(assets)
           + ["actor_rollout_ref.actor.kernel_backend=triton"], gpu=True)
-    a, b = metrics(cpu), metrics(gpu)
+    a, b = step_metrics(cpu), step_metrics(gpu)
     assert all(a[1][key] != 0 for key in ("critic/score/mean", "actor/grad_norm", "critic/vf_loss"))
     report("trainer_ppo_cpu_vs_gpu", {k: {"cpu": a[1].get(k), "gpu": b[1].get(k)} for k in STEP1_KEYS}
            | {"gpu_timing_step2": {k: v for k, v in b[2].items() if k.startswith(("timing_s/", "perf/"))}})
@@ -66,7 +56,7 @@ def test_grpo_bf16_on_gpu_runs(assets, tmp_path):
     run = tmp_path / "grpo_bf16"
     train(tiny_overrides(assets, run, world=1, steps=3, estimator="grpo", n=4) + dense_reward(assets)
           + ["actor_rollout_ref.model.dtype=bf16", "actor_rollout_ref.actor.kernel_backend=triton"], gpu=True)
-    m = metrics(run)
+    m = step_metrics(run)
     report("trainer_grpo_bf16", {s: {k: v for k, v in m[s].items() if not k.startswith("timing")} for s in m})
     assert sorted(m) == [0, 1, 2, 3]
     for step in (1, 2, 3):
