@@ -11,6 +11,11 @@ followed by the tokenizer's EOS token. The prompt is rendered and tokenized exac
 the prompt is the one the rollout engine continues from. The loss is the mean cross-entropy over response tokens
 (EOS included); prompt and padding tokens carry no loss.
 
+With `--solution-noise P`, a seeded fraction P of the demonstrations has each arithmetic operator of its solution
+replaced by one drawn at random from + - * / (it may draw the right one): the warm-up still teaches the answer
+format and the use of the prompt's numbers, but its model picks the right operator only part of the time, which
+leaves RL something to improve (the CPU demo).
+
 Runs on the transformers model (fp32, one process, CPU or CUDA) and saves an HF model directory (safetensors,
 config.json, generation_config.json and the tokenizer files) atomically. `--init-tiny` starts from a random tiny
 Qwen2 sized to the tokenizer instead of a pretrained model, for the CPU demo and tests.
@@ -20,6 +25,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
+import re
 import shutil
 import sys
 from collections.abc import Sequence
@@ -54,6 +61,7 @@ class SFTConfig:
     max_prompt_length: int = 1024  # longer prompts are an error (as data.filter_overlong_prompts="error")
     max_response_length: int = 64  # a target response (with EOS) longer than this is an error
     max_rows: int | None = None  # use only the first N rows of the data (a partial warm-up); None: all
+    solution_noise: float = 0.0  # fraction of demonstrations whose operators are replaced by random ones
     clip_grad: float = 1.0  # max global grad norm; 0 disables clipping
     seed: int = 0
 
@@ -65,6 +73,8 @@ class SFTConfig:
             raise SFTError(f"lr must be positive, got {self.lr}")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.clip_grad < 0:
             raise SFTError("warmup_steps, weight_decay and clip_grad must not be negative")
+        if not 0.0 <= self.solution_noise <= 1.0:
+            raise SFTError(f"solution_noise is a fraction in [0, 1], got {self.solution_noise}")
         if self.max_rows is not None and self.max_rows < 1:
             raise SFTError(f"max_rows must be positive (or None for all rows), got {self.max_rows}")
 
@@ -101,13 +111,29 @@ def format_response(prompt: str, solution: str) -> str:
     return f"{think} </think> <answer> {solution} </answer>"
 
 
+OPERATORS = "+-*/"
+_OPERATOR_RE = re.compile(r"(?<=\s)[-+*/](?=\s)")  # a binary operator as the tasks write it: " + "
+
+
+def noisy_solution(solution: str, rng: random.Random) -> str:
+    """`solution` with every binary operator replaced by one drawn uniformly from + - * / (numbers, their order
+    and the parentheses stay): a plausible, well-formed answer that is right only by chance."""
+    if not _OPERATOR_RE.search(solution):
+        raise SFTError(f"--solution-noise rewrites the operators of an expression, but the solution {solution!r} has "
+                       "none (e.g. a multiply task's product); use --solution-noise 0 for this task")
+    return _OPERATOR_RE.sub(lambda _: rng.choice(OPERATORS), solution)
+
+
 def build_examples(dataset: RLDataset, tokenizer: Any, max_response_length: int,
-                   max_rows: int | None = None) -> list[SFTExample]:
-    """prompt + target response ids for every row (the first `max_rows`), with clear errors for unusable rows."""
+                   max_rows: int | None = None, solution_noise: float = 0.0,
+                   seed: int = 0) -> list[SFTExample]:
+    """prompt + target response ids for every row (the first `max_rows`), with clear errors for unusable rows.
+    A seeded fraction `solution_noise` of the rows gets a noisy_solution instead of the correct one."""
     if tokenizer.eos_token_id is None:
         raise SFTError("the tokenizer has no EOS token; the response must end with one so that the model learns "
                        "to stop. Use a tokenizer with eos_token set (build_local_tokenizer sets <|endoftext|>)")
     count = len(dataset) if max_rows is None else min(max_rows, len(dataset))
+    rng = random.Random(seed)
     examples = []
     for i in range(count):
         item = dataset[i]
@@ -118,6 +144,8 @@ def build_examples(dataset: RLDataset, tokenizer: Any, max_response_length: int,
             raise SFTError(f"row {i} ({item.data_source}) has no extra_info.solution; SFT trains on the solutions "
                            "that `mppo data countdown|multiply` writes there, so generate the data with it or add "
                            "an 'extra_info': {'solution': '...'} to every row")
+        if solution_noise and rng.random() < solution_noise:
+            solution = noisy_solution(solution, rng)
         response = tokenizer(format_response(item.raw_prompt, solution), add_special_tokens=False)["input_ids"]
         response = list(response) + [tokenizer.eos_token_id]
         if len(response) > max_response_length:
@@ -248,7 +276,8 @@ def run_sft(data: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, mo
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     dataset = RLDataset(data, tokenizer, max_prompt_length=config.max_prompt_length,
                         filter_overlong_prompts="error")
-    examples = build_examples(dataset, tokenizer, config.max_response_length, config.max_rows)
+    examples = build_examples(dataset, tokenizer, config.max_response_length, config.max_rows,
+                              config.solution_noise, config.seed)
     torch.manual_seed(config.seed)
     model = init_tiny_model(tokenizer, tiny, config.seed) if tiny is not None else load_model(model_path)
     if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
@@ -289,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     train_args.add_argument("--max-prompt-length", type=int, default=defaults.max_prompt_length)
     train_args.add_argument("--max-response-length", type=int, default=defaults.max_response_length)
     train_args.add_argument("--max-rows", type=int, default=None, help="train on the first N rows only")
+    train_args.add_argument("--solution-noise", type=float, default=defaults.solution_noise, metavar="P",
+                            help="a fraction P of the demonstrations gets random operators (+ - * /) in place of "
+                                 "the solution's: the format is learnt, the choice of operator only partly")
     train_args.add_argument("--seed", type=int, default=defaults.seed)
     train_args.add_argument("--device", default="cpu", help="cpu or cuda")
     train_args.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -300,7 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = SFTConfig(steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
                        batch_size=args.batch_size, max_prompt_length=args.max_prompt_length,
-                       max_response_length=args.max_response_length, max_rows=args.max_rows, seed=args.seed)
+                       max_response_length=args.max_response_length, max_rows=args.max_rows, seed=args.seed,
+                       solution_noise=args.solution_noise)
     tiny = None
     if args.init_tiny:
         tiny = TinyModelSpec(hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,

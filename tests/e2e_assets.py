@@ -59,6 +59,8 @@ def tiny_overrides(root: Path, run_dir: Path, *, world: int, tp: int = 1, pp: in
         f"trainer.n_gpus_per_node={world}", f"trainer.total_training_steps={steps}", "trainer.test_freq=1",
         "trainer.save_freq=1", "trainer.val_before_train=true", f"trainer.default_local_dir={run_dir}",
         "trainer.logger=[console]",
+        # veRL's default decay: test_reliability_numerics sees step 2's update (all-zero rewards) through it
+        "actor_rollout_ref.actor.optim.weight_decay=0.01",
     ]
 
 

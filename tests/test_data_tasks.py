@@ -152,3 +152,17 @@ def test_cli(tmp_path, capsys):
         data_main(["countdown", "--out", str(out), "--template", "llama"])
     with pytest.raises(SystemExit):
         data_main(["countdown", "--out", str(out), "--num-operands", "three"])
+
+
+def test_short_template_keeps_the_question_and_the_reward():
+    """The short template is the question alone plus the assistant turn; a correct answer still scores 1.0 and a
+    well-formed wrong one the format score, with the rewards' own parsing."""
+    assert countdown_prompt(6, [1, 2, 3], "short") == (
+        "User: Using the numbers [1, 2, 3], create an equation that equals 6.\nAssistant: <think>")
+    assert multiply_prompt(12, 34, "short") == "User: Calculate 12 * 34.\nAssistant: <think>"
+    gt = {"target": 6, "numbers": [1, 2, 3]}
+    prompt = countdown_prompt(6, [1, 2, 3], "short")
+    assert countdown_reward.compute_score(prompt + " </think> <answer> 1 + 2 + 3 </answer>", gt) == 1.0
+    assert countdown_reward.compute_score(prompt + " </think> <answer> 1 * 2 + 3 </answer>", gt) == 0.1
+    assert multiply_reward.compute_score(multiply_prompt(12, 34, "short") + " </think> <answer> 408 </answer>",
+                                         408) == 1.0

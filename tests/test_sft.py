@@ -175,3 +175,52 @@ def test_api_errors_are_specific(tok_dir, data_dir, tmp_path):
     with pytest.raises(DatasetError):
         sft.run_sft(_write_rows(tmp_path / "e.parquet", [{"x": 1}]), tmp_path / "o", tokenizer_path=str(tok_dir),
                     tiny=TINY)
+
+
+def test_solution_noise_rewrites_operators_only():
+    """Numbers, their order and the parentheses stay; each operator becomes one of + - * / (all of them occur)."""
+    import random
+
+    rng = random.Random(0)
+    seen = set()
+    for _ in range(50):
+        noisy = sft.noisy_solution("(12 - 3) * 4", rng)
+        parts = noisy.split(" ")
+        assert [parts[0], parts[2], parts[4]] == ["(12", "3)", "4"], noisy
+        assert parts[1] in "+-*/" and parts[3] in "+-*/" and len(parts) == 5
+        seen.update((parts[1], parts[3]))
+    assert seen == set("+-*/")
+
+
+def test_solution_noise_demonstrations_use_the_numbers_and_are_right_part_of_the_time(tok_dir, tmp_path):
+    """With noise 0.6 about 0.6 * 3/4 of the targets are wrong (a random operator may be the right one), every
+    target still uses exactly the prompt's numbers in the answer format (the reward gives it at least the format
+    score), noise 0 keeps every target correct, and the same seed gives the same targets."""
+    write_task("countdown", tmp_path, train_size=400, test_size=1, seed=3, num_operands=2, max_number=20,
+               max_target=400)
+    tokenizer = load_tokenizer(tok_dir)
+    dataset = RLDataset(tmp_path / "train.parquet", tokenizer)
+
+    def scores(noise: float, seed: int) -> list[float]:
+        examples = sft.build_examples(dataset, tokenizer, 32, solution_noise=noise, seed=seed)
+        out = []
+        for i, example in enumerate(examples):
+            text = tokenizer.decode(example.input_ids[:-1], skip_special_tokens=False)
+            out.append(default_compute_score("countdown", text, dataset[i].ground_truth))
+        return out
+
+    noisy = scores(0.6, seed=0)
+    assert set(noisy) <= {0.1, 1.0}  # 0.1: well-formed, each number used once, wrong value
+    wrong = noisy.count(0.1) / len(noisy)
+    assert 0.33 < wrong < 0.57, wrong  # expected ~0.45 minus the draws that hit another correct operator
+    assert scores(0.6, seed=0) == noisy and scores(0.6, seed=1) != noisy
+    assert set(scores(0.0, seed=0)) == {1.0}
+
+
+def test_solution_noise_errors(tok_dir, tmp_path):
+    write_task("multiply", tmp_path, train_size=4, test_size=1, seed=0, digits=1)
+    tokenizer = load_tokenizer(tok_dir)
+    with pytest.raises(sft.SFTError, match="has none"):
+        sft.build_examples(RLDataset(tmp_path / "train.parquet", tokenizer), tokenizer, 32, solution_noise=1.0)
+    with pytest.raises(sft.SFTError, match=r"fraction in \[0, 1\]"):
+        sft.SFTConfig(solution_noise=1.5).check()

@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--test-size", type=int, default=test_size)
         sub.add_argument("--seed", type=int, default=0)
         sub.add_argument("--template", choices=TEMPLATES, default="base",
-                         help="base: plain-text conversation; qwen-instruct: <|im_start|> chat markers")
+                         help="base: plain-text conversation; qwen-instruct: <|im_start|> chat markers (both "
+                              "TinyZero's); short: the question alone (tiny models on CPU)")
 
     countdown = tasks.add_parser("countdown", help="reach a target with + - * / using each number once")
     common(countdown, train_size=10_000, test_size=1_000)
@@ -66,8 +67,8 @@ def _task_texts(data_dir: str) -> list[str]:
     for row in pq.read_table(path, columns=["prompt", "extra_info"]).to_pylist():
         texts.extend(message["content"] for message in row["prompt"])
         solution = (row.get("extra_info") or {}).get("solution")
-        if solution is not None:
-            texts.append(str(solution))
+        if solution is not None:  # in the answer format the rewards read, so its tags get tokens of their own
+            texts.append(f"<think> </think> <answer> {solution} </answer>")
     return texts
 
 

@@ -25,7 +25,9 @@ import pyarrow.parquet as pq
 
 from mppo.errors import UserError
 
-TEMPLATES = ("base", "qwen-instruct")
+# base and qwen-instruct are TinyZero's two prompt styles; short keeps only the question and the assistant turn
+# (same reward, same answer format) so that tiny models on CPU see ~25-token prompts instead of ~130 (the CPU demo).
+TEMPLATES = ("base", "qwen-instruct", "short")
 
 # TinyZero's countdown prompt (examples/data_preprocess/countdown.py); its reward looks for "Assistant:" or
 # "<|im_start|>assistant" and the <answer> tags.
@@ -78,6 +80,8 @@ def countdown_prompt(target: int, numbers: list[int] | tuple[int, ...], template
     task = _COUNTDOWN_TASK.format(numbers=list(numbers), target=target)
     if template == "base":
         return f"{_BASE_PREAMBLE}\nUser: {task}\nAssistant: Let me solve this step by step.\n<think>"
+    if template == "short":
+        return f"User: Using the numbers {list(numbers)}, create an equation that equals {target}.\nAssistant: <think>"
     return (f"{_INSTRUCT_SYSTEM}<|im_start|>user\n {task}<|im_end|>\n<|im_start|>assistant\n"
             "Let me solve this step by step.\n<think>")
 
@@ -86,6 +90,8 @@ def multiply_prompt(a: int, b: int, template: str = "base") -> str:
     _check_template(template)
     if template == "base":
         return _MULTIPLY_BASE.format(a=a, b=b)
+    if template == "short":
+        return f"User: Calculate {a} * {b}.\nAssistant: <think>"
     return (f"{_INSTRUCT_SYSTEM}<|im_start|>user\n{_MULTIPLY_TASK.format(a=a, b=b)}<|im_end|>\n"
             "<|im_start|>assistant\nLet me solve this step by step.\n<think>")
 
