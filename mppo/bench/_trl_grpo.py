@@ -95,13 +95,15 @@ def run_trl(opts: argparse.Namespace) -> dict[str, Any]:
 
         def __init__(self) -> None:
             self.steps: list[dict[str, float]] = []
-            self._start = 0.0
+            self._start = self._cpu_start = 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
-            self._start = time.perf_counter()
+            self._start, self._cpu_start = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.steps.append({"seconds": time.perf_counter() - self._start})
+            # process CPU time: all of this process's threads (other processes on the machine do not count)
+            self.steps.append({"seconds": time.perf_counter() - self._start,
+                               "cpu_seconds": time.process_time() - self._cpu_start})
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs and self.steps:

@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch", type=int, default=16, help="prompts per step (data.train_batch_size)")
     p.add_argument("--n", type=int, default=4, help="GRPO group size (PPO uses 1 sample per prompt)")
+    p.add_argument("--mini-batches", type=int, default=2,
+                   help="optimizer steps per update (1: on-policy, the old log-probs come from the update's forward)")
     p.add_argument("--response-length", type=int, default=64, help="data.max_response_length")
     p.add_argument("--eos-prob", type=float, default=0.0,
                    help="per-token stop probability of the random model (0: 2 / response length)")
@@ -106,7 +108,7 @@ def run_spec(opts: argparse.Namespace, estimator: str, assets: Path, run_dir: Pa
     dp = world // (opts.tp * opts.pp)
     overrides = bench_overrides(assets, run_dir, world=world, batch=opts.batch,
                                 response_length=opts.response_length, estimator=estimator, n=n)
-    mini = max(dp, opts.batch // 2)  # two optimizer steps per update
+    mini = max(dp, opts.batch // opts.mini_batches)  # optimizer steps per update
     overrides += [f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={opts.tp}",
                   f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={opts.pp}",
                   f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}"]
@@ -203,7 +205,7 @@ def rank_main(spec_path: str) -> None:
             "score": metrics.get("critic/score/mean"), "padding": padding,
             "actor": {k: metrics[k] for k in ACTOR_KEYS if k in metrics},
             "flops": ppo_step_flops(trainer.num_parameters, int(tokens), use_critic=trainer.use_critic,
-                                    use_ref=trainer.use_ref)})
+                                    use_ref=trainer.use_ref, old_log_prob_pass=not trainer.reuse_old_log_prob)})
     if dist.get_rank() == 0:
         info = {"num_parameters": trainer.num_parameters, "world": trainer.dims.world,
                 "layout": {"tp": trainer.dims.tp, "pp": trainer.dims.pp, "dp": trainer.dims.dp},
@@ -293,6 +295,8 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--estimators takes a comma list of {sorted(ESTIMATORS)}, got {opts.estimators!r}")
     if min(opts.nproc, opts.tp, opts.pp, opts.steps, opts.repeats, opts.batch, opts.n) < 1 or opts.warmup < 0:
         raise ValueError("--nproc, --tp, --pp, --steps, --repeats, --batch and --n must be >= 1, --warmup >= 0")
+    if opts.mini_batches < 1 or opts.batch % opts.mini_batches:
+        raise ValueError(f"--mini-batches must be >= 1 and divide --batch {opts.batch}, got {opts.mini_batches}")
     if opts.nproc % (opts.tp * opts.pp):
         raise ValueError(f"--nproc {opts.nproc} must be a multiple of --tp x --pp = {opts.tp * opts.pp}")
     cores = cpu_cores()

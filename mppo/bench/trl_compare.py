@@ -9,7 +9,9 @@ one optimizer step per generation, no KL (TRL's default beta=0), and the same re
 TRL runs in its own virtualenv, made by this command on first use (`python -m venv`, then
 `pip install -c constraints-cpu.txt trl`, which keeps torch on the CPU wheel; the command refuses a venv whose
 torch is not the CPU build). Tokens per second = (prompt + response tokens) / wall seconds of the training steps,
-model loading excluded on both sides; the first step is reported separately (warm-up).
+model loading excluded on both sides; the first step is reported separately (warm-up). Tokens per CPU-second
+divide by the CPU time of the trainer's processes instead (all ranks, all threads), which other jobs on the
+machine disturb far less than wall time.
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--nproc", type=int, default=2, help="mppo ranks (1 thread each when nproc = cores)")
     p.add_argument("--tp", type=int, default=1, help="mppo tensor parallelism (nproc / tp = DP)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads per mppo rank (0: cores / nproc); TRL gets nproc x threads: the same cores")
     p.add_argument("--seeds", default="1,2,3", help="comma list; each seed runs mppo then TRL (mppo: trainer.seed)")
     p.add_argument("--last", type=int, default=3, help="reward compared as the mean over the last N steps")
     p.add_argument("--venv", type=Path, default=bench_step.CACHE / "trl-venv", help="TRL's virtualenv")
@@ -97,13 +101,18 @@ def mppo_spec(opts: argparse.Namespace, assets: Path, run_dir: Path, seed: int) 
 
 
 def run_mppo(opts: argparse.Namespace, assets: Path, work: Path, seed: int) -> dict[str, Any]:
-    threads = max(1, bench_step.cpu_cores() // opts.nproc)
+    threads = mppo_threads(opts)
     result = bench_step.launch(mppo_spec(opts, assets, work / "run", seed), opts.nproc, threads, work)
-    steps = [{"seconds": s["seconds"]["step"], "tokens": s["tokens"], "reward": s["score"],
+    steps = [{"seconds": s["seconds"]["step"], "cpu_seconds": s["cpu_seconds"], "tokens": s["tokens"],
+              "reward": s["score"],
               "response_length": s["response_length"], "grad_norm": s["actor"].get("actor/grad_norm"),
               "lr": s["actor"].get("actor/lr"), "entropy": s["actor"].get("actor/entropy")}
              for s in result["steps"]]
     return {"steps": steps, "threads_per_rank": threads, "layout": result["layout"], "load": result["load"]}
+
+
+def mppo_threads(opts: argparse.Namespace) -> int:
+    return opts.threads or max(1, bench_step.cpu_cores() // opts.nproc)
 
 
 def run_trl(opts: argparse.Namespace, assets: Path, work: Path, prompts: list[str], seed: int) -> dict[str, Any]:
@@ -113,14 +122,15 @@ def run_trl(opts: argparse.Namespace, assets: Path, work: Path, prompts: list[st
            str(prompts_file), "--out", str(out), "--steps", str(opts.steps), "--prompts-per-step",
            str(opts.prompts_per_step), "--group", str(opts.group), "--response-length", str(opts.response_length),
            "--lr", str(opts.lr), "--seed", str(seed), "--workdir", str(work / "trl-out"),
-           "--threads", str(bench_step.cpu_cores())]
+           "--threads", str(opts.nproc * mppo_threads(opts))]
     before = bench_step.load_average()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200)
     if proc.returncode != 0 or not out.is_file():
         raise RuntimeError(f"TRL run failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-6000:]}")
     result = json.loads(out.read_text())
     result["load"] = {"before": before, "after": bench_step.load_average()}
-    result["steps"] = [{"seconds": s["seconds"], "tokens": s["tokens"], "reward": s["reward"],
+    result["steps"] = [{"seconds": s["seconds"], "cpu_seconds": s.get("cpu_seconds"), "tokens": s["tokens"],
+                        "reward": s["reward"],
                         "response_length": s.get("completions/mean_length"), "grad_norm": s.get("grad_norm"),
                         "lr": s.get("learning_rate"), "entropy": s.get("entropy")} for s in result["steps"]]
     return result
@@ -148,6 +158,9 @@ def side_summary(runs: list[list[dict[str, Any]]], last: int) -> dict[str, float
     return {
         "tokens_per_s": sum(s["tokens"] for s in after_first) / sum(s["seconds"] for s in after_first),
         "tokens_per_s_all": sum(s["tokens"] for s in every) / sum(s["seconds"] for s in every),
+        # CPU time summed over the trainer's processes/threads: what other jobs on the machine disturb least
+        "tokens_per_cpu_s": (sum(s["tokens"] for s in after_first) / sum(s["cpu_seconds"] for s in after_first)
+                             if all(s.get("cpu_seconds") for s in after_first) else float("nan")),
         "first_step_s": statistics.median(steps[0]["seconds"] for steps in runs),
         "median_step_s": statistics.median(s["seconds"] for s in after_first),
         "reward_first": statistics.mean(steps[0]["reward"] for steps in runs),
@@ -160,6 +173,7 @@ def side_summary(runs: list[list[dict[str, Any]]], last: int) -> dict[str, float
 def render(mppo: dict[str, float], trl: dict[str, float] | None, last: int) -> str:
     rows = (("tokens/s, steps 2.. (prompt + response)", "tokens_per_s", "{:.0f}"),
             ("tokens/s, all steps", "tokens_per_s_all", "{:.0f}"),
+            ("tokens per CPU-second, steps 2..", "tokens_per_cpu_s", "{:.0f}"),
             ("median step seconds (steps 2..)", "median_step_s", "{:.2f}"),
             ("first step seconds", "first_step_s", "{:.2f}"),
             ("mean response length", "response_length", "{:.1f}"),

@@ -99,6 +99,7 @@ class ActorConfig:
     ppo_max_token_len_per_gpu: int = 16384  # tokens per micro-batch when use_dynamic_bsz
     ppo_epochs: int = 1  # passes over each step's rollouts
     shuffle: bool = False  # shuffle samples between mini-batches
+    reuse_on_policy_log_prob: bool = True  # 1 epoch + 1 mini-batch: old log-probs = the update's forward, detached
     clip_ratio: float = 0.2  # PPO clip epsilon; default for clip_ratio_low/high
     clip_ratio_low: Optional[float] = None  # ratio lower clip 1-low; null: clip_ratio
     clip_ratio_high: Optional[float] = None  # ratio upper clip 1+high (clip-higher); null: clip_ratio

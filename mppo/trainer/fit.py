@@ -3,6 +3,10 @@
     weights → engine ─► rollout (n per prompt) ─► old log-probs ─► ref log-probs ─► values ─► rewards
         ─► KL in reward (or as a loss) ─► advantages ─► critic update ─► actor update ─► metrics, val, checkpoint
 
+On-policy steps (one epoch over one mini-batch) skip the separate old-log-prob pass when nothing needs the old
+log-probs before the actor update: the update's own forward is the old policy's, so it supplies them
+(`actor.reuse_on_policy_log_prob`, see `old_log_prob_reuse`).
+
 Every rank runs this same program (SPMD). The global prompt batch is split over data-parallel (DP) ranks; within a
 model-parallel group (the TP×PP ranks of one DP index) the first rank drives the rollout engine and shares the
 results. Advantages are computed on the whole global batch, gathered over DP, so batch-wide statistics (GAE
@@ -10,6 +14,7 @@ whitening, GRPO groups, the KL controller) are exactly veRL's whatever the layou
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,7 +35,7 @@ from mppo.trainer.checkpoint import CheckpointManager
 from mppo.trainer.metrics import MetricsLogger, StepTimer, compute_data_metrics, perf_metrics, plot_metrics
 from mppo.trainer.model_flops import ppo_step_flops
 from mppo.trainer.parallel_io import ModelParallelIO
-from mppo.trainer.rollout_batch import all_gather_rows, build_rollout_batch, local_rows
+from mppo.trainer.rollout_batch import all_gather_rows, build_rollout_batch, collective_device, local_rows
 from mppo.trainer.validation import validate
 from mppo.trainer.watchdog import StallWatchdog, process_group_timeout_s, tie_checkpoint_helpers_to_rank
 
@@ -89,6 +94,10 @@ class PPOTrainer:
                                     total_steps=self.total_steps, rollout_n=n) if self.use_critic else None)
         self.use_kl_in_reward = cfg.algorithm.use_kl_in_reward
         self.use_ref = self.use_kl_in_reward or arr.actor.use_kl_loss
+        self.reuse_old_log_prob, why_not = old_log_prob_reuse(cfg)
+        if arr.actor.reuse_on_policy_log_prob and self.is_main:
+            log.info("old log-probs: %s", "from the actor update's forward (on-policy step)"
+                     if self.reuse_old_log_prob else f"recomputed before the update: {why_not}")
         self.ref = (ReferenceWorker(arr.model, arr.ref, self.dims, model_path, logprob_impl=arr.actor.logprob_impl,
                                     kernel_backend=arr.actor.kernel_backend) if self.use_ref else None)
         self.num_parameters = _count_parameters(self.actor.model, self.io)
@@ -178,8 +187,9 @@ class PPOTrainer:
                 if self.engine is not None:
                     self.engine.release()
             temperature = cfg.actor_rollout_ref.rollout.temperature
-            with self.phase(timer, "old_log_prob"):
-                batch["old_log_probs"], _ = self.actor.compute_log_prob(batch, temperature=temperature)
+            if not self.reuse_old_log_prob:
+                with self.phase(timer, "old_log_prob"):
+                    batch["old_log_probs"], _ = self.actor.compute_log_prob(batch, temperature=temperature)
             if self.ref is not None:
                 with self.phase(timer, "ref"):
                     batch["ref_log_prob"] = self.ref.compute_log_prob(batch, temperature=temperature)
@@ -199,7 +209,8 @@ class PPOTrainer:
                 metrics.update(critic_metrics)
             if self.step >= cfg.trainer.critic_warmup:
                 with self.phase(timer, "update_actor"):
-                    actor_metrics = self.actor.update(batch, temperature=temperature)
+                    actor_metrics = self.actor.update(batch, temperature=temperature,
+                                                      old_log_prob_from_update=self.reuse_old_log_prob)
                 metrics["actor/skipped"] = float(actor_metrics.pop("skipped", False))
                 metrics.update(actor_metrics)
         with self.watchdog.phase("metrics", self.step + 1):
@@ -217,7 +228,8 @@ class PPOTrainer:
     def compute_advantages(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """KL penalty and advantages on the whole global batch (gathered over DP), then this rank's rows back."""
         cfg = self.cfg.algorithm
-        full = {k: all_gather_rows(batch[k], self.io.dp_group) for k in _ADV_INPUTS if k in batch}
+        # On the CPU, whatever device the workers computed on: these are [B, T] bookkeeping tensors.
+        full = {k: all_gather_rows(batch[k].cpu(), self.io.dp_group) for k in _ADV_INPUTS if k in batch}
         metrics: dict[str, float] = {}
         if self.use_kl_in_reward:
             full["token_level_rewards"], metrics = core_algos.apply_kl_penalty(
@@ -228,7 +240,7 @@ class PPOTrainer:
         full["advantages"], full["returns"] = core_algos.compute_advantage(
             cfg.adv_estimator, token_level_rewards=full["token_level_rewards"], response_mask=full["response_mask"],
             values=full.get("values"), index=full["uid"].numpy().astype(object), gamma=cfg.gamma, lam=cfg.lam,
-            norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo, old_log_probs=full["old_log_probs"])
+            norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo, old_log_probs=full.get("old_log_probs"))
         for key in ("token_level_rewards", "advantages", "returns"):
             batch[key] = local_rows(full[key], self.io.dp_group)
         self._full_batch = full  # for data metrics
@@ -241,8 +253,8 @@ class PPOTrainer:
                                        max_prompt_length=self.cfg.data.max_prompt_length)
         metrics.update(timer.metrics())
         num_tokens = int(full["prompt_mask"].sum().item() + full["response_mask"].sum().item())
-        flops = ppo_step_flops(self.num_parameters, num_tokens, use_critic=self.use_critic,
-                               use_ref=self.use_ref)
+        flops = ppo_step_flops(self.num_parameters, num_tokens, use_critic=self.use_critic, use_ref=self.use_ref,
+                               old_log_prob_pass=not self.reuse_old_log_prob)
         metrics.update(perf_metrics(num_tokens=num_tokens, step_seconds=timer.seconds["step"],
                                     world_size=self.dims.world, flops=flops, device=self.device))
         errors = all_gather_rows(batch["reward_errors"], self.io.dp_group)
@@ -311,10 +323,30 @@ class PPOTrainer:
                 "rewards and data of these steps (metrics.jsonl)")
 
 
+def old_log_prob_reuse(cfg: MppoConfig) -> tuple[bool, str]:
+    """(True, "") when the actor update may take the old log-probs from its own forward instead of a separate
+    pass; else (False, why not). That needs an on-policy update (one epoch over one mini-batch: its forward is
+    the first and only one with the weights that generated the rollout) and no use of them before the update."""
+    actor, algo = cfg.actor_rollout_ref.actor, cfg.algorithm
+    if not actor.reuse_on_policy_log_prob:
+        return False, "actor.reuse_on_policy_log_prob=false"
+    if actor.ppo_epochs != 1:
+        return False, f"actor.ppo_epochs={actor.ppo_epochs} (later epochs see updated weights)"
+    if actor.ppo_mini_batch_size != cfg.data.train_batch_size:
+        return False, (f"{cfg.data.train_batch_size // actor.ppo_mini_batch_size} mini-batches per step (later "
+                       "mini-batches see updated weights)")
+    if algo.use_kl_in_reward:
+        return False, "algorithm.use_kl_in_reward needs them for the rewards, before the update"
+    estimator = core_algos.get_adv_estimator_fn(algo.adv_estimator)
+    if "old_log_probs" in inspect.signature(estimator).parameters:
+        return False, f"adv_estimator {algo.adv_estimator} needs them for the advantages, before the update"
+    return True, ""
+
+
 def _count_parameters(model_chunks, io: ModelParallelIO) -> int:
     """Parameters of the whole model: this rank's shard summed over its model-parallel group."""
     local = sum(p.numel() for chunk in model_chunks for p in chunk.parameters())
-    total = torch.tensor([local], dtype=torch.float64)
+    total = torch.tensor([local], dtype=torch.float64, device=collective_device(io.mp_group))
     if io.mp_group is not None:
         dist.all_reduce(total, group=io.mp_group)
     return int(total.item())

@@ -2,9 +2,11 @@
 
 - `compute_log_prob`: forward-only per-token log-probs (and entropy) of the response tokens.
 - `update`: `ppo_epochs` x mini-batches x micro-batches of PPO through the pipeline schedule, one optimizer
-  step per mini-batch. loss = pg_loss - entropy_coeff * entropy + kl_loss_coef * kl_loss (use_kl_loss), each
-  aggregated with `actor.loss_agg_mode` over the GLOBAL mini-batch (`GlobalBatchInfo`: DP size, valid tokens and
-  non-empty sequences summed over DP). A micro-batch loss is then its share of the global loss times dp;
+  step per mini-batch. On-policy (one epoch, one mini-batch), the old log-probs can come from the update's own
+  forward, detached, instead of a separate `compute_log_prob` pass (veRL's and TRL's on-policy shortcut).
+  loss = pg_loss - entropy_coeff * entropy + kl_loss_coef * kl_loss (use_kl_loss), each aggregated with
+  `actor.loss_agg_mode` over the GLOBAL mini-batch (`GlobalBatchInfo`: DP size, valid tokens and non-empty
+  sequences summed over DP). A micro-batch loss is then its share of the global loss times dp;
   run_pipeline undoes the schedule's division by the number of micro-batches and DDP averages over DP, so the
   gradient is that of the global mini-batch loss however the batch is split.
 - `export_hf_weights`: HF-named full tensors in buckets (rollout weight sync and HF checkpoints).
@@ -96,15 +98,25 @@ class ActorWorker:
                                              phase="actor/log_prob")
 
     # ------------------------------------------------------------------------------------------ training
-    def update(self, batch: Batch, *, temperature: float) -> dict[str, float | bool]:
+    def update(self, batch: Batch, *, temperature: float,
+               old_log_prob_from_update: bool = False) -> dict[str, float | bool]:
         """PPO update on this DP rank's shard of the step's batch; returns global metrics (same on every rank).
 
-        Needs old_log_probs and advantages (and ref_log_prob with use_kl_loss). A mini-batch whose loss or
-        gradients are not finite is not applied (`skipped` is then True). Steps the LR schedule once.
+        Needs advantages, old_log_probs (unless `old_log_prob_from_update`) and ref_log_prob (with use_kl_loss).
+        `old_log_prob_from_update`: the update is on-policy (one epoch, one mini-batch: every row passes once
+        through the forward, with the weights that generated it), so the old log-probs ARE this forward's
+        log-probs; they are taken from it, detached (ratio exactly 1), instead of from a separate forward pass.
+        A mini-batch whose loss or gradients are not finite is not applied (`skipped` is then True). Steps the
+        LR schedule once.
         """
-        required = ["old_log_probs", "advantages"] + (["ref_log_prob"] if self.cfg.use_kl_loss else [])
-        validate_batch(batch, required)
+        required = ["advantages"] + ([] if old_log_prob_from_update else ["old_log_probs"])
+        required += ["ref_log_prob"] if self.cfg.use_kl_loss else []
+        rows, _ = validate_batch(batch, required)
+        if old_log_prob_from_update:
+            self._check_on_policy(rows)
         batch = self.loop.to_device(batch)
+        if old_log_prob_from_update:
+            batch.pop("old_log_probs", None)  # one source of old log-probs: this update's forward
         lr = current_lr(self.optimizer)
         steps, grad_norms, skipped = [], [], 0
         for micro_batches, info in self.loop.mini_batches(batch, self.scheduler.num_steps):
@@ -125,6 +137,17 @@ class ActorWorker:
         out["skipped"] = skipped > 0
         return out
 
+    def _check_on_policy(self, rows: int) -> None:
+        """Old log-probs from the update's forward are exact only if that forward is the first and only one
+        over each row (then the weights are those that generated the rollout)."""
+        loop = self.loop
+        if loop.epochs != 1 or rows != loop.local_mini_batch_size:
+            raise ValueError(
+                f"actor update with old log-probs from its own forward needs one epoch over one mini-batch, but "
+                f"ppo_epochs={loop.epochs} and this rank's {rows} rows form {rows // loop.local_mini_batch_size} "
+                f"mini-batch(es) of {loop.local_mini_batch_size}: later forwards see updated weights. Compute "
+                "old_log_probs before the update (actor.reuse_on_policy_log_prob=false does so in the trainer)")
+
     def _loss_fn(self, model, data, temperature, info, metrics: StepMetrics):
         cfg, dp = self.cfg, info.dp_size
 
@@ -132,8 +155,10 @@ class ActorWorker:
             log_prob, entropy = response_logprobs(model, hidden, data, self.logprob_fn, temperature=temperature,
                                                   vocab_size=self.hf_args.vocab_size, compute_entropy=True)
             mask = data["response_mask"]
+            # on-policy: this forward is the first with the rollout's weights, so it is the old policy too
+            old_log_prob = data["old_log_probs"] if "old_log_probs" in data else log_prob.detach()
             pg_loss, pg_metrics = self.policy_loss_fn(
-                data["old_log_probs"], log_prob, data["advantages"], mask, cfg.loss_agg_mode,
+                old_log_prob, log_prob, data["advantages"], mask, cfg.loss_agg_mode,
                 config=self.policy_params, rollout_is_weights=data.get("rollout_is_weights"), batch_info=info)
             if cfg.policy_loss.loss_mode in ROW_MEAN_LOSSES:
                 # (rows here / global rows) x dp, with global rows = local mini-batch rows x dp

@@ -1,0 +1,87 @@
+"""On-policy reuse of the update's log-probs as old log-probs, under torchrun (run by tests/test_trainer_onpolicy.py).
+
+Each case builds a fresh PPOTrainer (same model directory, same seed: same initial weights and rollouts) and runs
+its first train_step, then tears the layout down for the next case. Rank R writes out/rank{R}.json:
+  metrics per case, the flag the trainer decided, and the actor's weights' distance between the reuse and the
+  recompute cases.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+
+def build(config: str, overrides: list[str]):
+    from mppo.config import load_config
+    from mppo.trainer.fit import PPOTrainer
+
+    cfg = load_config(config, overrides, world_size=int(os.environ["WORLD_SIZE"]))
+    return PPOTrainer(cfg)
+
+
+def close(trainer) -> None:
+    from mppo.parallel import destroy
+
+    trainer.watchdog.close()
+    trainer.metrics.close()
+    destroy()
+
+
+def first_step(trainer) -> dict[str, float]:
+    prompts = next(iter(trainer.data.train_loader))
+    metrics = trainer.train_step(prompts)
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def actor_weights(trainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for chunk in trainer.actor.model for p in chunk.parameters()]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--config", required=True)
+    p.add_argument("--overrides", required=True, help="JSON list of the base overrides")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    base = json.loads(args.overrides)
+    result: dict[str, dict] = {}
+
+    weights = {}
+    for name, extra in (("reuse", ["actor_rollout_ref.actor.reuse_on_policy_log_prob=true"]),
+                        ("recompute", ["actor_rollout_ref.actor.reuse_on_policy_log_prob=false"])):
+        trainer = build(args.config, base + extra)
+        before = actor_weights(trainer)
+        result[name] = {"reuse": trainer.reuse_old_log_prob, "metrics": first_step(trainer)}
+        weights[name] = actor_weights(trainer)
+        result[name]["weights_moved"] = max((a - b).abs().max().item() for a, b in zip(weights[name], before))
+        close(trainer)
+    result["weights_max_abs_diff"] = max((a - b).abs().max().item()
+                                         for a, b in zip(weights["reuse"], weights["recompute"]))
+
+    # Not on-policy: the flag stays on in the config, the trainer recomputes old log-probs (the phase runs).
+    for name, extra in (("two_epochs", ["actor_rollout_ref.actor.ppo_epochs=2"]),
+                        ("two_mini_batches", ["actor_rollout_ref.actor.ppo_mini_batch_size=4"])):
+        trainer = build(args.config, base + extra + ["actor_rollout_ref.actor.reuse_on_policy_log_prob=true"])
+        result[name] = {"reuse": trainer.reuse_old_log_prob, "metrics": first_step(trainer)}
+        # The actor refuses old log-probs from its own forward when the update is not on-policy.
+        trainer.reuse_old_log_prob = True
+        try:
+            first_step(trainer)
+            result[name]["actor_refused"] = ""
+        except ValueError as err:
+            result[name]["actor_refused"] = str(err)
+        close(trainer)
+
+    rank = torch.distributed.get_rank()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
