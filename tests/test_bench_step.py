@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mppo.bench import _trl_grpo, scaling, step, trl_compare
+from mppo.bench import _trl_grpo, scaling, trl_compare
 from mppo.workers.batching import TOKEN_COUNTER, make_micro_batches, split_by_tokens
 
 REPO = Path(__file__).resolve().parents[1]

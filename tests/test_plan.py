@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 GiB = 1 << 30
 TINY = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
@@ -281,6 +283,23 @@ def test_suggestions_make_an_oversized_config_fit():
                           ["actor_rollout_ref.actor.megatron.use_distributed_optimizer=false",
                            "actor_rollout_ref.actor.megatron.recompute=none", *best.overrides])
     assert plan(applied, args).fits
+
+
+def test_step_time_has_no_old_log_prob_pass_when_the_trainer_reuses_the_update_forward():
+    """The plan predicts what the trainer does: an on-policy step (one epoch, one mini-batch, no KL in the reward)
+    has no separate old-log-prob forward; a second mini-batch brings it back at the cost of one actor forward."""
+    from mppo.config import load_config
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan import known_config, plan
+
+    args = read_hf_config(known_config("Qwen2.5-7B")[1])
+    recipe = str(REPO / "configs/gsm8k_qwen2.5_7b_grpo.yaml")
+    batch = load_config(recipe).data.train_batch_size
+    on_policy = plan(load_config(recipe, [f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}"]), args).step
+    two_minis = plan(load_config(recipe, [f"actor_rollout_ref.actor.ppo_mini_batch_size={batch // 2}"]), args).step
+    assert on_policy.old_log_prob_s == 0.0
+    assert two_minis.old_log_prob_s == pytest.approx(two_minis.ref_s, rel=0.5) and two_minis.old_log_prob_s > 0
+    assert two_minis.total_s > on_policy.total_s
 
 
 # ------------------------------------------------------------------------------------------------------- CLI

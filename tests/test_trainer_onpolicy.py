@@ -43,7 +43,7 @@ def assets(tmp_path_factory) -> Path:
 
 def test_reuse_decision_names_what_needs_the_separate_pass(assets, tmp_path):
     """Reuse only when on-policy and nothing reads old log-probs before the update; the reason otherwise."""
-    from mppo.trainer.fit import old_log_prob_reuse
+    from mppo.config.decisions import old_log_prob_reuse
 
     base = base_overrides(assets, tmp_path, world=1)
     assert old_log_prob_reuse(load(base)) == (True, "")

@@ -14,19 +14,18 @@ whitening, GRPO groups, the KL controller) are exactly veRL's whatever the layou
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from mppo import core_algos
 from mppo.config import ConfigError, MppoConfig, to_yaml
+from mppo.config.decisions import old_log_prob_reuse
 from mppo.data.loader import PromptBatch
 from mppo.errors import UserError
 from mppo.rollout.weight_sync import push_actor_weights
@@ -321,26 +320,6 @@ class PPOTrainer:
                 f"norm and were skipped (trainer.max_consecutive_skips={limit}); the weights are those of the last "
                 f"good step and the last checkpoint is in {self.ckpt.root}. Lower the learning rate, or check the "
                 "rewards and data of these steps (metrics.jsonl)")
-
-
-def old_log_prob_reuse(cfg: MppoConfig) -> tuple[bool, str]:
-    """(True, "") when the actor update may take the old log-probs from its own forward instead of a separate
-    pass; else (False, why not). That needs an on-policy update (one epoch over one mini-batch: its forward is
-    the first and only one with the weights that generated the rollout) and no use of them before the update."""
-    actor, algo = cfg.actor_rollout_ref.actor, cfg.algorithm
-    if not actor.reuse_on_policy_log_prob:
-        return False, "actor.reuse_on_policy_log_prob=false"
-    if actor.ppo_epochs != 1:
-        return False, f"actor.ppo_epochs={actor.ppo_epochs} (later epochs see updated weights)"
-    if actor.ppo_mini_batch_size != cfg.data.train_batch_size:
-        return False, (f"{cfg.data.train_batch_size // actor.ppo_mini_batch_size} mini-batches per step (later "
-                       "mini-batches see updated weights)")
-    if algo.use_kl_in_reward:
-        return False, "algorithm.use_kl_in_reward needs them for the rewards, before the update"
-    estimator = core_algos.get_adv_estimator_fn(algo.adv_estimator)
-    if "old_log_probs" in inspect.signature(estimator).parameters:
-        return False, f"adv_estimator {algo.adv_estimator} needs them for the advantages, before the update"
-    return True, ""
 
 
 def _count_parameters(model_chunks, io: ModelParallelIO) -> int:
