@@ -35,6 +35,8 @@ if ! [[ "$ranks" =~ ^[1-9][0-9]*$ ]]; then
   exit 2
 fi
 
+# megatron-core's tensor-parallel layers overlap their all-reduce with compute only with one CUDA connection.
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 # torchrun would force 1 thread per rank; share the node's cores instead (data loading, CPU runs).
 if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
   threads=$(( $(nproc) / ranks ))

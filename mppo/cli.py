@@ -122,6 +122,11 @@ def _configure_run_logging() -> None:
                         datefmt="%H:%M:%S")
     for pattern in _EXPECTED_FALLBACK_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
+    if "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():  # CUDA advice from megatron's TP layers: nothing to act on without CUDA
+            warnings.filterwarnings("ignore", message=r"When using async grad allreduce.*CUDA_DEVICE_MAX_CONNECTIONS")
     logging.getLogger("megatron").setLevel(logging.WARNING)  # it lists every parameter at INFO
 
 
