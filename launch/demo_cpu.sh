@@ -33,6 +33,7 @@ RUN_DIR="$(cd "$RUN_DIR" && pwd)"  # absolute: the config reads it through ${oc.
 export RUN_DIR
 cd "$(dirname "$0")/.."  # configs/demo_cpu.yaml is relative to the repository root
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one thread per process: 2 ranks on 2 cores
+export CUDA_VISIBLE_DEVICES=""  # the CPU demo (trainer.device=cpu) runs on the CPU on a GPU machine too
 export TOKENIZERS_PARALLELISM=false
 
 say() { echo "[demo $(date +%H:%M:%S)] $*"; }

@@ -73,12 +73,13 @@ def test_grpo_tp2_and_resume_pp2(assets, tmp_path):
 
 
 def test_bf16_model_checkpoints_and_resumes(assets, tmp_path):
-    """bf16 parameters (the GPU default) on CPU: every parameter in bf16, the distributed optimizer's checkpoint
-    is written after step 1 and a restart resumes from it (megatron-core cannot checkpoint a mixed-dtype model)."""
+    """bf16 parameters (the GPU default) on CPU, PPO with a critic: every parameter in bf16 (the critic's value
+    head too, computed in fp32), the distributed optimizers' checkpoints are written after step 1 and a restart
+    resumes from them (megatron-core cannot checkpoint a mixed-dtype model)."""
     run = tmp_path / "bf16"
-    overrides = dense_reward(assets) + ["actor_rollout_ref.model.dtype=bf16", "critic.enable=false"]
-    train(1, tiny_overrides(assets, run, world=1, steps=1, estimator="grpo", n=2) + overrides)
-    proc = train(1, tiny_overrides(assets, run, world=1, steps=2, estimator="grpo", n=2) + overrides)
+    overrides = dense_reward(assets) + ["actor_rollout_ref.model.dtype=bf16"]
+    train(1, tiny_overrides(assets, run, world=1, steps=1) + overrides)
+    proc = train(1, tiny_overrides(assets, run, world=1, steps=2) + overrides)
     assert "resumed from" in proc.stderr
     m = step_metrics(run)
-    assert sorted(m) == [0, 1, 2] and m[2]["actor/grad_norm"] > 0
+    assert sorted(m) == [0, 1, 2] and m[2]["actor/grad_norm"] > 0 and m[2]["critic/vf_loss"] > 0

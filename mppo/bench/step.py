@@ -173,11 +173,6 @@ def rank_main(spec_path: str) -> None:
 
     cfg = load_config(spec["config"], spec["overrides"], world_size=int(os.environ["WORLD_SIZE"]))
     trainer = PPOTrainer(cfg)
-    actor = cfg.actor_rollout_ref.actor
-    if trainer.ref is not None and actor.use_dynamic_bsz:
-        # The reference forward by the actor's token budget too, as veRL's ref.log_prob_use_dynamic_bsz follows
-        # the actor's; PPOTrainer does not pass it to the ReferenceWorker yet (bench/RESULTS.md, section 2).
-        trainer.ref.max_token_len = actor.ppo_max_token_len_per_gpu
     batches = _batches(trainer.data.train_loader)
     steps: list[dict[str, Any]] = []
     for index in range(spec["warmup"] + spec["steps"] * spec["repeats"]):

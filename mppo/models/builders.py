@@ -25,7 +25,9 @@ ROLES = ("actor", "critic", "ref")
 
 
 class ValueHead(nn.Module):
-    """Replicated hidden -> 1 projection in fp32, zero-initialised, standing in for GPTModel.output_layer.
+    """Replicated hidden -> 1 projection computed in fp32, zero-initialised, standing in for GPTModel.output_layer.
+    Its parameters take the model's dtype like every other (build_gpt_model casts them; the optimizer keeps fp32
+    main copies), the product is taken in fp32.
 
     Its parameters are called `weight` and `bias` so that GPTModel/LanguageModule.sharded_state_dict finds them
     under `output_layer.weight` / `output_layer.bias`. It takes the output layer's call signature and returns
@@ -39,7 +41,7 @@ class ValueHead(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
-        return nn.functional.linear(hidden_states.float(), self.weight, self.bias), None
+        return nn.functional.linear(hidden_states.float(), self.weight.float(), self.bias.float()), None
 
 
 def build_transformer_config(args: HFModelArgs, dims: ParallelDims, *, dtype: torch.dtype = torch.float32,

@@ -86,30 +86,61 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _digests(root: Path, files: list[tuple[str, int]]) -> dict[str, str]:
-    """blake2b of each (relative path, size) under `root`, the hashing spread over every rank (collective).
+def _digests(root: Path, files: list[tuple[str, int]]) -> tuple[dict[str, str], dict[str, str]]:
+    """(blake2b of each readable file, {file: why a rank could not read it}) for (relative path, size) pairs
+    under `root`, the hashing spread over every rank (collective; every rank gets both dicts whole).
 
     A checkpoint of a large model is hundreds of GB; hashed by rank 0 alone that takes minutes while every other
     rank waits in a barrier. Files are dealt largest first, round-robin, so each rank reads about 1/world of it.
-    A file that is missing on disk gets no digest.
+    A rank that cannot read its share reports why instead of raising, so no rank is left waiting in the gather.
     """
     order = sorted(files, key=lambda f: (-f[1], f[0]))
-    mine = {rel: file_digest(root / rel) for rel, _ in order[_rank()::_world()] if (root / rel).is_file()}
+    digests: dict[str, str] = {}
+    unreadable: dict[str, str] = {}
+    for rel, _ in order[_rank()::_world()]:
+        try:
+            digests[rel] = file_digest(root / rel)
+        except FileNotFoundError:
+            unreadable[rel] = (f"rank {_rank()} does not see it (the run directory must be on a file system "
+                               "every node shares)")
+        except OSError as err:
+            unreadable[rel] = f"rank {_rank()} could not read it ({err})"
     if _world() == 1:
-        return mine
-    parts: list[dict[str, str] | None] = [None] * _world()
-    dist.all_gather_object(parts, mine)
-    return {rel: digest for part in parts for rel, digest in (part or {}).items()}
+        return digests, unreadable
+    parts: list[Any] = [None] * _world()
+    dist.all_gather_object(parts, (digests, unreadable))
+    return ({rel: d for part in parts for rel, d in part[0].items()},
+            {rel: why for part in parts for rel, why in part[1].items()})
+
+
+def _on_rank0(read: Callable[[], Any], what: str) -> Any:
+    """`read()` on rank 0, its result on every rank; an error there becomes a CheckpointError on every rank
+    (raised on rank 0 alone it would leave the others waiting in the broadcast)."""
+    value: Any = None
+    if _rank() == 0:
+        try:
+            value = read()
+        except CheckpointError as err:
+            value = err
+        except Exception as err:  # noqa: BLE001 - any failure must reach every rank
+            value = CheckpointError(f"{what}: {type(err).__name__}: {err}")
+    value = _from_rank0(value)
+    if isinstance(value, CheckpointError):
+        raise CheckpointError(str(value))
+    return value
 
 
 def _inventory(root: Path) -> dict[str, dict[str, Any]]:
     """{relative path: size and checksum} of every file under `root` but the manifest (collective)."""
-    listing = None
-    if _rank() == 0:
-        listing = [(str(path.relative_to(root)), path.stat().st_size) for path in sorted(root.rglob("*"))
-                   if path.is_file() and path.name != MANIFEST]
-    listing = _from_rank0(listing)
-    digests = _digests(root, listing)
+    def files() -> list[tuple[str, int]]:
+        return [(str(path.relative_to(root)), path.stat().st_size) for path in sorted(root.rglob("*"))
+                if path.is_file() and path.name != MANIFEST]
+
+    listing = _on_rank0(files, f"listing {root}")
+    digests, unreadable = _digests(root, listing)
+    if unreadable:
+        rel, why = sorted(unreadable.items())[0]
+        raise CheckpointError(f"{root / rel}: {why}")
     return {rel: {"size": size, "blake2b": digests[rel]} for rel, size in listing}
 
 
@@ -190,36 +221,37 @@ class CheckpointManager:
     def verify(self, path: Path) -> dict[str, Any]:
         """Return the manifest of a complete, uncorrupted checkpoint, else raise CheckpointError with the reason.
 
-        Collective under torch.distributed: rank 0 reads the manifest, every rank checks a share of the files.
+        Collective under torch.distributed: rank 0 reads the manifest and checks sizes, every rank hashes a share
+        of the files, rank 0 vets the pickles; every rank raises the same error or returns the same manifest.
         """
-        manifest = _from_rank0(_read_manifest(path) if _rank() == 0 else None)
-        if isinstance(manifest, CheckpointError):
-            raise CheckpointError(str(manifest))
-        listed = manifest.get("files", {})
-        problems = []
-        for rel, expected in sorted(listed.items()):
-            file = path / rel
-            if not file.is_file():
-                problems.append(f"{file}: listed in the manifest but missing")
-            elif file.stat().st_size != expected["size"]:
-                problems.append(f"{file}: size {file.stat().st_size} != {expected['size']} in the manifest")
-        problems = _from_rank0(problems if _rank() == 0 else None)  # rank 0's view decides for all
-        if problems:
-            raise CheckpointError(problems[0])
-        digests = _digests(path, [(rel, expected["size"]) for rel, expected in listed.items()])
+        manifest = _on_rank0(lambda: _read_manifest(path), f"{path / MANIFEST}: unreadable manifest")
+        listed = manifest["files"]
+
+        def size_problem() -> str | None:
+            for rel, expected in sorted(listed.items()):
+                file = path / rel
+                if not file.is_file():
+                    return f"{file}: listed in the manifest but missing"
+                if file.stat().st_size != expected["size"]:
+                    return f"{file}: size {file.stat().st_size} != {expected['size']} in the manifest"
+            return None
+
+        problem = _on_rank0(size_problem, f"{path}: checking file sizes")
+        if problem:
+            raise CheckpointError(problem)
+        digests, unreadable = _digests(path, [(rel, expected["size"]) for rel, expected in listed.items()])
+        if unreadable:
+            rel, why = sorted(unreadable.items())[0]
+            raise CheckpointError(f"{path / rel}: {why}")
         for rel, expected in sorted(listed.items()):
             if digests.get(rel) != expected["blake2b"]:
                 raise CheckpointError(f"{path / rel}: checksum does not match the manifest (corrupt)")
-        refused = None
-        if _rank() == 0:
-            try:
-                for rel in listed:
-                    _vet_pickled(path / rel)
-            except CheckpointError as err:
-                refused = err
-        refused = _from_rank0(refused)
-        if refused is not None:
-            raise CheckpointError(str(refused))
+
+        def vet() -> None:
+            for rel in listed:
+                _vet_pickled(path / rel)
+
+        _on_rank0(vet, f"{path}: vetting pickles")
         return manifest
 
     def latest(self) -> CheckpointInfo | None:
@@ -228,7 +260,7 @@ class CheckpointManager:
         A complete checkpoint of ANOTHER run (different model or incompatible config) is an error, not a skip:
         resuming from it would silently change the run. Collective: every rank takes the same decision.
         """
-        steps = _from_rank0(sorted(self._candidate_steps(), reverse=True) if _rank() == 0 else None)
+        steps = _on_rank0(lambda: sorted(self._candidate_steps(), reverse=True), f"listing {self.root}")
         for step in steps:
             path = self.step_dir(step)
             try:
@@ -237,15 +269,7 @@ class CheckpointManager:
                 if _rank() == 0:
                     log.warning("skipping checkpoint %s", err)
                 continue
-            incompatible = None
-            if _rank() == 0:
-                try:
-                    self.check_compatible(path, manifest)
-                except CheckpointError as err:
-                    incompatible = err
-            incompatible = _from_rank0(incompatible)
-            if incompatible is not None:
-                raise CheckpointError(str(incompatible))
+            _on_rank0(lambda: self.check_compatible(path, manifest), f"{path}: comparing with this run")
             return CheckpointInfo(step=step, path=path, manifest=manifest)
         return None
 
@@ -295,14 +319,18 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it references {module}.{name}, which is not checkpoint metadata")
 
 
-def _read_manifest(path: Path) -> dict[str, Any] | CheckpointError:
+def _read_manifest(path: Path) -> dict[str, Any]:
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
-        return CheckpointError(f"{path}: no {MANIFEST} (the write did not finish)")
+        raise CheckpointError(f"{path}: no {MANIFEST} (the write did not finish)")
     try:
-        return json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as err:
-        return CheckpointError(f"{manifest_path}: unreadable manifest ({err})")
+        manifest = json.loads(manifest_path.read_text())
+    except (ValueError, OSError) as err:  # JSON or UTF-8 errors are ValueErrors
+        raise CheckpointError(f"{manifest_path}: unreadable manifest ({err})") from err
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)
+            and all(isinstance(v, dict) and {"size", "blake2b"} <= set(v) for v in manifest["files"].values())):
+        raise CheckpointError(f"{manifest_path}: not an mppo checkpoint manifest (no files with size and checksum)")
+    return manifest
 
 
 def _vet_pickled(file: Path) -> None:

@@ -70,6 +70,20 @@ def check_gpu_packages(cfg: MppoConfig) -> None:
                                   f"{INSTALL_HINT}; or use actor_rollout_ref.rollout.name=cpu")
 
 
+def check_device(cfg: MppoConfig) -> None:
+    """trainer.device must match what this process can use: mppo trains on every visible GPU (nccl), or on the
+    CPU (gloo) when none is visible. A mismatch is an error rather than a silent switch of device."""
+    requested, has_cuda = cfg.trainer.device, torch.cuda.is_available()
+    if requested == "cuda" and not has_cuda:
+        raise ConfigError("trainer.device=cuda but this process sees no CUDA device (torch.cuda.is_available() is "
+                          "False): check CUDA_VISIBLE_DEVICES and that torch is a CUDA build, or set "
+                          "trainer.device=cpu")
+    if requested == "cpu" and has_cuda:
+        raise ConfigError("trainer.device=cpu but CUDA devices are visible, and mppo trains on every visible GPU: "
+                          "hide them to train on the CPU (CUDA_VISIBLE_DEVICES= mppo train ...), or set "
+                          "trainer.device=auto to use them")
+
+
 def check_vocab(tokenizer: Any, model_path: str, key: str) -> None:
     """Every token id the tokenizer can produce must have an embedding row in the model."""
     vocab_size = model_facts(model_path)["vocab_size"]

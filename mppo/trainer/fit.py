@@ -64,6 +64,7 @@ class PPOTrainer:
         _check_shared_layout(cfg)
         # Bad input stops the run here, in seconds: before megatron is imported or any model is built.
         components.check_gpu_packages(cfg)
+        components.check_device(cfg)
         self.data = components.build_data(cfg)
         self.faults = faults.from_env()  # None unless MPPO_FAULT is set (tests)
         self.dims = init_distributed(mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size,
@@ -97,8 +98,15 @@ class PPOTrainer:
         if arr.actor.reuse_on_policy_log_prob and self.is_main:
             log.info("old log-probs: %s", "from the actor update's forward (on-policy step)"
                      if self.reuse_old_log_prob else f"recomputed before the update: {why_not}")
+        # With dynamic batch sizes the reference splits by the actor's token budget (as veRL's ref follows the
+        # actor's log_prob_use_dynamic_bsz); otherwise by ref.log_prob_micro_batch_size_per_gpu.
+        ref_budget = arr.actor.ppo_max_token_len_per_gpu if arr.actor.use_dynamic_bsz else None
+        # veRL's actor log-prob pass splits by rollout.log_prob_micro_batch_size_per_gpu (token budget: the update's)
+        self.old_log_prob_micro_batch = (None if arr.actor.use_dynamic_bsz
+                                         else arr.rollout.log_prob_micro_batch_size_per_gpu)
         self.ref = (ReferenceWorker(arr.model, arr.ref, self.dims, model_path, logprob_impl=arr.actor.logprob_impl,
-                                    kernel_backend=arr.actor.kernel_backend) if self.use_ref else None)
+                                    kernel_backend=arr.actor.kernel_backend, max_token_len=ref_budget)
+                    if self.use_ref else None)
         self.num_parameters = _count_parameters(self.actor.model, self.io)
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = core_algos.get_kl_controller(kc.type, kc.kl_coef, target_kl=kc.target_kl,
@@ -188,7 +196,8 @@ class PPOTrainer:
             temperature = cfg.actor_rollout_ref.rollout.temperature
             if not self.reuse_old_log_prob:
                 with self.phase(timer, "old_log_prob"):
-                    batch["old_log_probs"], _ = self.actor.compute_log_prob(batch, temperature=temperature)
+                    batch["old_log_probs"], _ = self.actor.compute_log_prob(
+                        batch, temperature=temperature, micro_batch_size=self.old_log_prob_micro_batch)
             if self.ref is not None:
                 with self.phase(timer, "ref"):
                     batch["ref_log_prob"] = self.ref.compute_log_prob(batch, temperature=temperature)
@@ -353,7 +362,7 @@ _RESUME_FREE = ("trainer.total_epochs", "trainer.total_training_steps", "trainer
                 "trainer.logger", "trainer.max_ckpt_to_keep", "trainer.collective_timeout_s",
                 "trainer.val_before_train", "trainer.project_name", "trainer.experiment_name",
                 "trainer.resume_mode", "trainer.max_consecutive_skips", "trainer.default_local_dir",
-                "data.val_files", "data.val_batch_size")
+                "data.val_files", "data.val_batch_size", "actor_rollout_ref.actor.reuse_on_policy_log_prob")
 
 
 def _resume_config(cfg: MppoConfig) -> dict[str, Any]:

@@ -132,7 +132,8 @@ def broadcast_from_last_stage(outputs: list[dict[str, torch.Tensor]]) -> list[di
     is_src = ps.is_pipeline_last_stage(ignore_virtual=True)
     meta: list[Any] = [[{k: (tuple(v.shape), v.dtype) for k, v in d.items()} for d in outputs] if is_src else None]
     dist.broadcast_object_list(meta, src=src, group=group)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    nccl = dist.get_backend(group) == "nccl"  # the group's backend decides where its tensors must live
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     result = []
     for i, entry in enumerate(meta[0]):
         d = {}

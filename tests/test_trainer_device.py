@@ -1,0 +1,23 @@
+"""trainer.device against what the process can see: a mismatch stops the run with the fix, never a silent switch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mppo.config import ConfigError, load_config
+from mppo.trainer.components import check_device
+
+
+@pytest.mark.parametrize("requested,visible,error", [
+    ("cuda", False, "trainer.device=cuda but this process sees no CUDA device"),
+    ("cpu", True, "CUDA_VISIBLE_DEVICES= mppo train"),
+    ("cpu", False, None), ("cuda", True, None), ("auto", True, None), ("auto", False, None),
+])
+def test_device_mismatch_is_an_error_naming_the_fix(monkeypatch, requested, visible, error):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: visible)
+    cfg = load_config(None, [f"trainer.device={requested}"])
+    if error is None:
+        check_device(cfg)
+    else:
+        with pytest.raises(ConfigError, match=error):
+            check_device(cfg)
