@@ -33,31 +33,24 @@ def make_bench_assets(root: str | Path, *, size: ModelSize = ModelSize(), train_
                       test_size: int = 32, seed: int = 0) -> Path:
     """Write root/data and root/model (skipped when root already holds assets of the same size and seed)."""
     import pyarrow.parquet as pq
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from mppo.data import build_local_tokenizer, write_task
+    from mppo.sft import TinyModelSpec, init_tiny_model
 
     root = Path(root)
     stamp = {"size": asdict(size), "train_size": train_size, "test_size": test_size, "seed": seed}
     stamp_path = root / ASSETS_STAMP
     if stamp_path.is_file() and json.loads(stamp_path.read_text()) == stamp:
         return root
-    if size.hidden % size.heads or size.heads % size.kv_heads:
-        raise ValueError(f"hidden {size.hidden} must be divisible by heads {size.heads}, and heads by kv_heads "
-                         f"{size.kv_heads}")
     write_task("countdown", root / "data", train_size=train_size, test_size=test_size, seed=seed, num_operands=3,
                max_number=20, max_target=50)
     rows = pq.read_table(root / "data" / "train.parquet").to_pylist()
     texts = [r["prompt"][0]["content"] for r in rows] + [str(r["extra_info"]["solution"]) for r in rows]
     tokenizer = build_local_tokenizer(texts, size.vocab, root / "model")
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=size.hidden, intermediate_size=int(2.75 * size.hidden),
-                         num_hidden_layers=size.layers, num_attention_heads=size.heads,
-                         num_key_value_heads=size.kv_heads, max_position_embeddings=size.max_positions,
-                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    model = Qwen2ForCausalLM(config)
+    spec = TinyModelSpec(hidden_size=size.hidden, num_layers=size.layers, num_heads=size.heads,
+                         num_kv_heads=size.kv_heads, intermediate_size=int(2.75 * size.hidden),
+                         max_position_embeddings=size.max_positions, tie_word_embeddings=False)
+    model = init_tiny_model(tokenizer, spec, seed=seed)
     if size.eos_probability > 0:
         raise_eos(model, tokenizer.eos_token_id, size.eos_probability)
     model.save_pretrained(root / "model", safe_serialization=True)
