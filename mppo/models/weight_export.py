@@ -26,6 +26,7 @@ from torch import nn
 from mppo.models import weight_transport
 from mppo.models.builders import unwrap_model
 from mppo.models.hf_config import HFModelArgs
+from mppo.parallel import collective_device
 from mppo.models.weight_rules import (
     WeightRule,
     full_shapes,
@@ -172,9 +173,8 @@ def _handshake(group: _Group, mine: list[_Entry], targets: tuple[int, ...], tran
     digest = _digest((mine, targets, group.pp_rank, group.tp_rank))
     cached = _EXCHANGES.get(owner, {}).get(key)
     local = torch.tensor([digest, cached.ident if cached else 0,
-                          weight_transport.state_digest(owner, group.ranks, targets)], dtype=torch.int64)
-    if dist.get_backend(group.group) == "nccl":
-        local = local.cuda()
+                          weight_transport.state_digest(owner, group.ranks, targets)], dtype=torch.int64,
+                         device=collective_device(group.group))
     gathered = [torch.empty_like(local) for _ in group.ranks]
     dist.all_gather(gathered, local, group=group.group)
     rows = [row.tolist() for row in gathered]

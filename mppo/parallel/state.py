@@ -136,6 +136,13 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: int | None = None, *, timeou
     return _dims
 
 
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a collective's tensors must live: the current GPU for nccl groups, else the CPU (gloo, or no group)."""
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def get_dims() -> ParallelDims:
     """The layout set by the last `init_distributed`."""
     if _dims is None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from mppo.models.hf_config import HFModelArgs
 from mppo.models.weights import bucketed, iter_hf_weights
+from mppo.parallel import collective_device
 from mppo.rollout.base import NamedTensor, RolloutEngine
 
 
@@ -38,8 +39,7 @@ def engine_ranks(engine: RolloutEngine | None) -> list[int]:
     from megatron.core import parallel_state as ps
 
     group = ps.get_model_parallel_group()
-    on_gpu = dist.get_backend(group) == "nccl"
-    flag = torch.tensor([int(engine is not None)], device=torch.cuda.current_device() if on_gpu else "cpu")
+    flag = torch.tensor([int(engine is not None)], device=collective_device(group))
     flags = [torch.empty_like(flag) for _ in range(dist.get_world_size(group))]
     dist.all_gather(flags, flag, group=group)
     return [rank for rank, held in zip(dist.get_process_group_ranks(group), flags) if held.item()]

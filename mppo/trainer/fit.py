@@ -28,13 +28,14 @@ from mppo.config import ConfigError, MppoConfig, to_yaml
 from mppo.config.decisions import old_log_prob_reuse
 from mppo.data.loader import PromptBatch
 from mppo.errors import UserError
+from mppo.parallel import collective_device
 from mppo.rollout.weight_sync import push_actor_weights
 from mppo.trainer import components, faults
 from mppo.trainer.checkpoint import CheckpointManager
 from mppo.trainer.metrics import MetricsLogger, StepTimer, compute_data_metrics, perf_metrics, plot_metrics
 from mppo.trainer.model_flops import ppo_step_flops
 from mppo.trainer.parallel_io import ModelParallelIO
-from mppo.trainer.rollout_batch import all_gather_rows, build_rollout_batch, collective_device, local_rows
+from mppo.trainer.rollout_batch import all_gather_rows, build_rollout_batch, local_rows
 from mppo.trainer.validation import validate
 from mppo.trainer.watchdog import StallWatchdog, process_group_timeout_s, tie_checkpoint_helpers_to_rank
 

@@ -13,8 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mppo.data.loader import PromptBatch
-from mppo.parallel import ParallelDims
-from mppo.trainer.rollout_batch import collective_device
+from mppo.parallel import ParallelDims, collective_device
 
 
 class ModelParallelIO:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from mppo.data.loader import PromptBatch
+from mppo.parallel import collective_device
 from mppo.rollout.base import RolloutResponse
 
 
@@ -61,14 +62,6 @@ def all_gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> to
     parts = [torch.empty_like(tensor, device=device) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.to(device).contiguous(), group=group)
     return torch.cat(parts, dim=0).to(tensor.device)
-
-
-def collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where a collective's tensors must live: the current GPU for nccl groups, else the CPU (gloo). The trainer
-    keeps its batch bookkeeping on the CPU (as veRL's driver does); collectives move it there and back."""
-    if group is not None and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def local_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

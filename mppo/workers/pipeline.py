@@ -24,6 +24,7 @@ from torch import nn
 
 from mppo.models.builders import unwrap_model
 from mppo.models.vocab import mask_padded_logits, valid_vocab_size_per_rank
+from mppo.parallel import collective_device
 
 Batch = Mapping[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -132,8 +133,7 @@ def broadcast_from_last_stage(outputs: list[dict[str, torch.Tensor]]) -> list[di
     is_src = ps.is_pipeline_last_stage(ignore_virtual=True)
     meta: list[Any] = [[{k: (tuple(v.shape), v.dtype) for k, v in d.items()} for d in outputs] if is_src else None]
     dist.broadcast_object_list(meta, src=src, group=group)
-    nccl = dist.get_backend(group) == "nccl"  # the group's backend decides where its tensors must live
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    device = collective_device(group)
     result = []
     for i, entry in enumerate(meta[0]):
         d = {}
