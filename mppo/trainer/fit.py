@@ -30,7 +30,7 @@ from mppo.data.loader import PromptBatch
 from mppo.errors import UserError
 from mppo.parallel import collective_device
 from mppo.rollout.weight_sync import push_actor_weights
-from mppo.trainer import components, faults
+from mppo.trainer import components, faults, rollout_correction
 from mppo.trainer.checkpoint import CheckpointManager
 from mppo.trainer.metrics import MetricsLogger, StepTimer, compute_data_metrics, perf_metrics, plot_metrics
 from mppo.trainer.model_flops import ppo_step_flops
@@ -195,10 +195,12 @@ class PPOTrainer:
                 if self.engine is not None:
                     self.engine.release()
             temperature = cfg.actor_rollout_ref.rollout.temperature
+            rollout_metrics: dict[str, float] = {}
             if not self.reuse_old_log_prob:
                 with self.phase(timer, "old_log_prob"):
                     batch["old_log_probs"], _ = self.actor.compute_log_prob(
                         batch, temperature=temperature, micro_batch_size=self.old_log_prob_micro_batch)
+                rollout_metrics.update(rollout_correction.mismatch_metrics(batch, self.io.dp_group))
             if self.ref is not None:
                 with self.phase(timer, "ref"):
                     batch["ref_log_prob"] = self.ref.compute_log_prob(batch, temperature=temperature)
@@ -222,6 +224,10 @@ class PPOTrainer:
                                                       old_log_prob_from_update=self.reuse_old_log_prob)
                 metrics["actor/skipped"] = float(actor_metrics.pop("skipped", False))
                 metrics.update(actor_metrics)
+                if self.reuse_old_log_prob:  # the update's forward gave the old log-probs
+                    batch["old_log_probs"] = self.actor.forward_log_probs
+                    rollout_metrics.update(rollout_correction.mismatch_metrics(batch, self.io.dp_group))
+            metrics.update(rollout_metrics)
         with self.watchdog.phase("metrics", self.step + 1):
             metrics.update(self._step_metrics(batch, timer))
         return metrics

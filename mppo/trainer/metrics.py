@@ -52,6 +52,33 @@ def compute_data_metrics(batch: dict[str, torch.Tensor], *, max_response_length:
     return metrics
 
 
+def rollout_mismatch_metrics(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                             response_mask: torch.Tensor) -> dict[str, float]:
+    """veRL 0.9.1's rollout-vs-actor metrics (`verl/utils/debug/metrics.py::calculate_debug_metrics`) over the
+    response tokens of the batch given (the trainer gives the global batch, so they do not depend on the DP split).
+
+    They compare PROBABILITIES, p = exp(log-prob), of the sampled tokens: the engine's against the actor's for the
+    same weights. `diff = |p_actor - p_rollout|`; `_max`, `_mean`, `_std` (unbiased, as `torch.std`: NaN for a
+    single token) of it, and the Pearson correlation of the two probability lists (`torch.corrcoef`: NaN when
+    either is constant, e.g. a single token). No response token: `_valid` 0 and NaN for the rest. Computed in
+    float64 (veRL: in the log-probs' dtype).
+    """
+    mask = response_mask.bool()
+    if not bool(mask.any()):
+        nan = float("nan")
+        return {"training/rollout_probs_diff_valid": 0.0, "training/rollout_probs_diff_max": nan,
+                "training/rollout_probs_diff_mean": nan, "training/rollout_probs_diff_std": nan,
+                "training/rollout_actor_probs_pearson_corr": nan}
+    actor = torch.exp(old_log_probs.double())[mask]
+    rollout = torch.exp(rollout_log_probs.double())[mask]
+    diff = (actor - rollout).abs()
+    std = diff.std().item() if diff.numel() > 1 else float("nan")  # torch.std of one element warns, gives NaN
+    corr = torch.corrcoef(torch.stack([actor, rollout]))[0, 1].item() if diff.numel() > 1 else float("nan")
+    return {"training/rollout_probs_diff_valid": 1.0, "training/rollout_probs_diff_max": diff.max().item(),
+            "training/rollout_probs_diff_mean": diff.mean().item(), "training/rollout_probs_diff_std": std,
+            "training/rollout_actor_probs_pearson_corr": corr}
+
+
 # ------------------------------------------------------------------------------------------------- timing and perf
 class StepTimer:
     """Accumulates wall time per phase under veRL's `timing_s/<phase>` names."""

@@ -35,6 +35,7 @@ from mppo.workers.base import StepMetrics, build_role_model, mean_metrics, respo
 from mppo.workers.batching import Batch, validate_batch
 from mppo.workers.logprob import compute_response_logprobs, make_logprob_fn, response_logprobs
 from mppo.workers.optim import build_lr_scheduler, build_optimizer, current_lr, wrap_with_ddp
+from mppo.workers.pipeline import broadcast_from_last_stage
 from mppo.workers.training import TrainLoop
 
 # Policy losses that average over ALL rows of what they are given and ignore GlobalBatchInfo (veRL quirk):
@@ -52,6 +53,29 @@ def policy_loss_params(cfg: ActorConfig) -> PolicyLossParams:
         clip_ratio_c=cfg.clip_ratio_c, tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg, clip_cov_ratio=pl.clip_cov_ratio,
         clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub, kl_cov_ratio=pl.kl_cov_ratio,
         ppo_kl_coef=pl.ppo_kl_coef, dro_beta=pl.dro_beta)
+
+
+class ForwardLogProbs:
+    """Each row's log-probs from its first forward in an update (detached, batch row order), collected from the
+    last pipeline stage's micro-batch outputs: the old log-probs of an on-policy update."""
+
+    def __init__(self, response_mask: torch.Tensor):
+        self.values = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+        self.seen = torch.zeros(response_mask.shape[0], dtype=torch.bool, device=response_mask.device)
+
+    def add(self, rows: list[torch.Tensor], outputs: list[dict[str, torch.Tensor]]) -> None:
+        """Record one optimizer step's micro-batches (`outputs` is empty on stages other than the last)."""
+        for row_ids, out in zip(rows, outputs):
+            row_ids = row_ids.to(self.values.device)
+            fresh = ~self.seen[row_ids]
+            self.values[row_ids[fresh]] = out["log_probs"][:len(row_ids)][fresh].float()
+            self.seen[row_ids] = True
+
+    def on_every_stage(self, dims: ParallelDims) -> torch.Tensor:
+        """The collected values on every rank (a collective over the pipeline group when PP > 1)."""
+        if dims.pp == 1:
+            return self.values
+        return broadcast_from_last_stage([{"log_probs": self.values}])[0]["log_probs"].to(dims.device)
 
 
 class ActorWorker:
@@ -81,6 +105,8 @@ class ActorWorker:
                               max_token_len=actor_cfg.ppo_max_token_len_per_gpu,
                               epochs=actor_cfg.ppo_epochs, shuffle=actor_cfg.shuffle,
                               seed=actor_cfg.megatron.seed or 0)
+        # after an update that took the old log-probs from its forward: those log-probs [B, T], else None
+        self.forward_log_probs: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------ inference
     def compute_log_prob(self, batch: Batch, *, temperature: float, micro_batch_size: int | None = None,
@@ -105,7 +131,8 @@ class ActorWorker:
         Needs advantages, old_log_probs (unless `old_log_prob_from_update`) and ref_log_prob (with use_kl_loss).
         `old_log_prob_from_update`: the update is on-policy (one epoch, one mini-batch: every row passes once
         through the forward, with the weights that generated it), so the old log-probs ARE this forward's
-        log-probs; they are taken from it, detached (ratio exactly 1), instead of from a separate forward pass.
+        log-probs; they are taken from it, detached (ratio exactly 1), instead of from a separate forward pass,
+        and kept in `self.forward_log_probs` [B, T] on every rank afterwards (for the rollout-vs-actor metrics).
         A mini-batch whose loss or gradients are not finite is not applied (`skipped` is then True). Steps the
         LR schedule once.
         """
@@ -118,18 +145,23 @@ class ActorWorker:
         if old_log_prob_from_update:
             batch.pop("old_log_probs", None)  # one source of old log-probs: this update's forward
         lr = current_lr(self.optimizer)
+        record = old_log_prob_from_update
+        forward = ForwardLogProbs(batch["response_mask"]) if record else None
         steps, grad_norms, skipped = [], [], 0
-        for micro_batches, info in self.loop.mini_batches(batch, self.scheduler.num_steps):
-            metrics = StepMetrics(ACTOR_METRICS)
+        for mini in self.loop.mini_batches(batch, self.scheduler.num_steps):
+            metrics, info = StepMetrics(ACTOR_METRICS), mini.info
             step = response_forward_step(
-                lambda model, data: self._loss_fn(model, data, temperature, info, metrics), hidden_only=True)
-            result = self.loop.step(micro_batches, step, metrics, info)
+                lambda model, data: self._loss_fn(model, data, temperature, info, metrics, record), hidden_only=True)
+            result = self.loop.step(mini.micro_batches, step, metrics, info)
+            if forward is not None:
+                forward.add(mini.rows, result.outputs)
             steps.append(result.metrics)
             if result.skipped:
                 skipped += 1
             else:
                 grad_norms.append(result.grad_norm)
         self.scheduler.step(1)
+        self.forward_log_probs = forward.on_every_stage(self.dims) if forward is not None else None
         out: dict[str, float | bool] = dict(mean_metrics(steps))
         out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
         out["actor/lr"] = lr
@@ -148,7 +180,7 @@ class ActorWorker:
                 f"mini-batch(es) of {loop.local_mini_batch_size}: later forwards see updated weights. Compute "
                 "old_log_probs before the update (actor.reuse_on_policy_log_prob=false does so in the trainer)")
 
-    def _loss_fn(self, model, data, temperature, info, metrics: StepMetrics):
+    def _loss_fn(self, model, data, temperature, info, metrics: StepMetrics, record_log_probs: bool = False):
         cfg, dp = self.cfg, info.dp_size
 
         def loss_fn(hidden: torch.Tensor):
@@ -181,7 +213,7 @@ class ActorWorker:
                     metrics.add(key, float(value) * token_share)
             if not bool(torch.isfinite(loss)):
                 metrics.loss_nonfinite = 1.0
-            return loss, {}
+            return loss, ({"log_probs": log_prob.detach()} if record_log_probs else {})
 
         return loss_fn
 
