@@ -53,6 +53,10 @@ def test_reuse_decision_names_what_needs_the_separate_pass(assets, tmp_path):
         "2 mini-batches": ["actor_rollout_ref.actor.ppo_mini_batch_size=4"],
         "use_kl_in_reward": ["algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.use_kl_loss=false"],
         "optimal_token_baseline": ["algorithm.adv_estimator=optimal_token_baseline"],
+        "needs them for the IS weights and rejection": ["algorithm.rollout_correction.rollout_is=token"],
+        "rollout_rs=seq_mean_k3": ["algorithm.rollout_correction.rollout_rs=seq_mean_k3",
+                                   "algorithm.rollout_correction.rollout_rs_threshold=0.01"],
+        "bypass_mode=true takes them from the rollout engine": ["algorithm.rollout_correction.bypass_mode=true"],
     }
     for expected, extra in cases.items():
         reuse, why = old_log_prob_reuse(load(base + extra))

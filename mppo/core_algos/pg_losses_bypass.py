@@ -13,6 +13,10 @@ The global batch facts (`batch_info`) are those of the mask before rejection (ve
 rejected tokens lower the loss rather than re-weighting the rest. Everything happens per micro-batch, which is
 exact for per-token and per-row criteria; batch normalisation of the weights would depend on the split, so the
 config validation refuses it in bypass mode.
+
+veRL registers the bypass loss as `loss_mode="bypass_mode"` and switches to it when bypass_mode is on; here
+`algorithm.rollout_correction.bypass_mode=true` is the one switch (the actor then uses this loss), so it is not
+in POLICY_LOSS_REGISTRY.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import torch
 from .agg import GlobalBatchInfo
 from .masked import masked_mean
 from .pg_losses_token import compute_policy_loss_vanilla
-from .pg_registry import PolicyLossParams, aggregate_token_losses, register_policy_loss
+from .pg_registry import PolicyLossParams, aggregate_token_losses
 from .rollout_correction import compute_rollout_correction_and_rejection_mask
 
 __all__ = ["compute_policy_loss_reinforce", "compute_policy_loss_bypass_mode"]
@@ -45,7 +49,6 @@ def compute_policy_loss_reinforce(
     return pg_loss, {"actor/ppo_kl": ppo_kl.detach().item()}
 
 
-@register_policy_loss("bypass_mode")
 def compute_policy_loss_bypass_mode(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,

@@ -28,9 +28,15 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
             f"{prefix}/min": values.min().item()}
 
 
+# The response mask as generated, when rollout rejection has changed `response_mask` (lengths are of what was
+# generated: veRL reads them off attention_mask).
+UNREJECTED_MASK = "response_mask_before_rejection"
+
+
 def compute_data_metrics(batch: dict[str, torch.Tensor], *, max_response_length: int,
                          max_prompt_length: int) -> dict[str, float]:
-    """veRL's `compute_data_metrics`: sequence-level score/reward sums, token-level advantage/return/value stats."""
+    """veRL's `compute_data_metrics`: sequence-level score/reward sums, token-level advantage/return/value stats
+    (over the tokens kept by rollout rejection), response lengths as generated."""
     mask = batch["response_mask"].bool()
     metrics: dict[str, float] = {}
     metrics.update(_stats("critic/score", batch["token_level_scores"].sum(-1)))
@@ -43,7 +49,7 @@ def compute_data_metrics(batch: dict[str, torch.Tensor], *, max_response_length:
         var_returns = returns.var(unbiased=False) if returns.numel() > 1 else torch.tensor(0.0)
         metrics["critic/vf_explained_var"] = (1.0 - (returns - values).var(unbiased=False) /
                                               (var_returns + 1e-5)).item() if returns.numel() > 1 else 0.0
-    response_length = batch["response_mask"].sum(-1).float()
+    response_length = batch.get(UNREJECTED_MASK, batch["response_mask"]).sum(-1).float()
     prompt_length = batch["prompt_mask"].sum(-1).float()
     metrics.update(_stats("response_length", response_length))
     metrics["response_length/clip_ratio"] = (response_length >= max_response_length).float().mean().item()

@@ -21,14 +21,15 @@ where veRL averages per-micro-batch means); all are averaged over the optimizer 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from mppo.config.schema import ActorConfig, ModelConfig
-from mppo.core_algos import (AGG_LOSS_MODES, KL_PENALTY_TYPES, PolicyLossParams, agg_loss, get_policy_loss_fn,
-                              kl_penalty)
+from mppo.core_algos import (AGG_LOSS_MODES, KL_PENALTY_TYPES, PolicyLossParams, RolloutCorrectionParams, agg_loss,
+                              compute_policy_loss_bypass_mode, get_policy_loss_fn, kl_penalty)
 from mppo.models.weights import bucketed, iter_hf_weights
 from mppo.parallel import ParallelDims
 from mppo.workers.base import StepMetrics, build_role_model, mean_metrics, response_forward_step
@@ -82,7 +83,9 @@ class ActorWorker:
     """The trainable policy on this rank's TP/PP/DP shard. All methods are collective over every rank."""
 
     def __init__(self, model_cfg: ModelConfig, actor_cfg: ActorConfig, dims: ParallelDims, hf_dir: str | Path, *,
-                 total_steps: int, rollout_n: int = 1):
+                 total_steps: int, rollout_n: int = 1, rollout_correction: RolloutCorrectionParams | None = None):
+        """`rollout_correction` with bypass_mode: the update's loss is rollout correction's bypass loss (the batch's
+        old_log_probs are then the engine's); otherwise it is not used here (the trainer applies it)."""
         if actor_cfg.loss_agg_mode not in AGG_LOSS_MODES:
             raise ValueError(f"actor.loss_agg_mode must be one of {AGG_LOSS_MODES}, got {actor_cfg.loss_agg_mode!r}")
         if actor_cfg.use_kl_loss and actor_cfg.kl_loss_type not in KL_PENALTY_TYPES:
@@ -90,6 +93,10 @@ class ActorWorker:
         self.cfg, self.dims = actor_cfg, dims
         self.policy_loss_fn = get_policy_loss_fn(actor_cfg.policy_loss.loss_mode)
         self.policy_params = policy_loss_params(actor_cfg)
+        self.bypass = rollout_correction is not None and rollout_correction.bypass_mode
+        if self.bypass:
+            self.policy_loss_fn = compute_policy_loss_bypass_mode
+            self.policy_params = replace(self.policy_params, rollout_correction=rollout_correction)
         self.logprob_fn = make_logprob_fn(actor_cfg.logprob_impl, actor_cfg.kernel_backend)
         self.hf_args, chunks, self.dtype = build_role_model(hf_dir, dims, role="actor", model_cfg=model_cfg,
                                                             megatron=actor_cfg.megatron)
@@ -105,7 +112,8 @@ class ActorWorker:
                               max_token_len=actor_cfg.ppo_max_token_len_per_gpu,
                               epochs=actor_cfg.ppo_epochs, shuffle=actor_cfg.shuffle,
                               seed=actor_cfg.megatron.seed or 0)
-        # after an update that took the old log-probs from its forward: those log-probs [B, T], else None
+        # after an update that took the old log-probs from its forward, or in bypass mode: each row's log-probs
+        # [B, T] from its first forward in the update; else None
         self.forward_log_probs: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------ inference
@@ -132,7 +140,8 @@ class ActorWorker:
         `old_log_prob_from_update`: the update is on-policy (one epoch, one mini-batch: every row passes once
         through the forward, with the weights that generated it), so the old log-probs ARE this forward's
         log-probs; they are taken from it, detached (ratio exactly 1), instead of from a separate forward pass,
-        and kept in `self.forward_log_probs` [B, T] on every rank afterwards (for the rollout-vs-actor metrics).
+        and kept in `self.forward_log_probs` [B, T] on every rank afterwards (for the rollout-vs-actor metrics;
+        in bypass mode too, where they are pi_theta at each row's first forward).
         A mini-batch whose loss or gradients are not finite is not applied (`skipped` is then True). Steps the
         LR schedule once.
         """
@@ -145,7 +154,7 @@ class ActorWorker:
         if old_log_prob_from_update:
             batch.pop("old_log_probs", None)  # one source of old log-probs: this update's forward
         lr = current_lr(self.optimizer)
-        record = old_log_prob_from_update
+        record = old_log_prob_from_update or self.bypass
         forward = ForwardLogProbs(batch["response_mask"]) if record else None
         steps, grad_norms, skipped = [], [], 0
         for mini in self.loop.mini_batches(batch, self.scheduler.num_steps):
