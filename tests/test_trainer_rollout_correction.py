@@ -34,6 +34,9 @@ CASES = {
                                    f"{RC}.rollout_is_batch_normalize=true"], True],
     "bypass_reinforce": [TIS + REJECT + [f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce"], True],
 }
+# The same global batch at TP 2 x DP 1 (the engine seeds every sample by its global index: the same rollouts)
+CASES["perturbed_seq_icepop_norm_tp2"] = [CASES["perturbed_seq_icepop_norm"][0] + [
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"], True]
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +179,22 @@ def test_bypass_mode_uses_the_engine_log_probs_and_reinforce_with_is_weights(ran
     plain = ranks[0]["perturbed_plain"]["metrics"]
     for key in ("training/rollout_probs_diff_max", "training/rollout_probs_diff_mean", "rollout_corr/kl"):
         assert m[key] == pytest.approx(plain[key], rel=1e-4), key
+
+
+def test_weights_and_metrics_do_not_depend_on_the_dp_split(ranks):
+    """DP 2 (each rank half of the rows) and TP 2 x DP 1 (every rank all rows): the same rollouts, the same
+    globally normalised IS weights and the same rollout_corr/ and training/rollout_* metrics (fp32 TP noise)."""
+    dp2, tp2 = "perturbed_seq_icepop_norm", "perturbed_seq_icepop_norm_tp2"
+    assert rows(ranks, dp2, "rollout_log_probs") == ranks[0][tp2]["captured"]["rollout_log_probs"]
+    assert rows(ranks, dp2, "response_mask") == ranks[0][tp2]["captured"]["response_mask"]
+    for a, b in zip(rows(ranks, dp2, "rollout_is_weights"), ranks[0][tp2]["captured"]["rollout_is_weights"]):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-6)
+    m_dp, m_tp = ranks[0][dp2]["metrics"], ranks[0][tp2]["metrics"]
+    keys = [k for k in m_dp if k.startswith(("rollout_corr/", "training/rollout"))]
+    assert sorted(keys) == sorted(k for k in m_tp if k.startswith(("rollout_corr/", "training/rollout")))
+    assert "rollout_corr/rollout_is_batch_norm_factor" in keys and "training/rollout_probs_diff_max" in keys
+    for key in keys:
+        if math.isnan(m_dp[key]):
+            assert math.isnan(m_tp[key]), key
+        else:
+            assert m_tp[key] == pytest.approx(m_dp[key], rel=1e-4, abs=1e-6), key

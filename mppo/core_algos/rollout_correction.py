@@ -68,11 +68,6 @@ class RolloutCorrectionParams:
     bypass_mode: bool = False  # old log-probs := the rollout's (no old-log-prob pass), loss_type decides the loss
     loss_type: str = "ppo_clip"  # bypass mode: "ppo_clip" (vanilla PPO, the ratio is the IS) | "reinforce"
 
-    @property
-    def changes_the_update(self) -> bool:
-        """IS weights or rejection are on (otherwise only metrics are computed)."""
-        return self.rollout_is is not None or self.rollout_rs is not None
-
     def as_kwargs(self) -> dict:
         """The arguments of compute_rollout_correction_and_rejection_mask."""
         return {"rollout_is": self.rollout_is, "rollout_is_threshold": self.rollout_is_threshold,

@@ -34,7 +34,6 @@ from mppo.trainer.rollout_batch import all_gather_rows
 log = logging.getLogger("mppo")
 
 
-
 def correction_params(cfg: RolloutCorrectionConfig) -> RolloutCorrectionParams:
     """algorithm.rollout_correction as core_algos takes it."""
     return RolloutCorrectionParams(

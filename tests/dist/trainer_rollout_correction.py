@@ -5,7 +5,7 @@ The rollout policy is deliberately perturbed: the CPU engine samples (and report
 (same model and seed: same initial weights and prompts), runs one train_step and records what the actor update
 received (its batch rows on this rank) and, in bypass mode, the actor's log-probs of that batch just before the
 update. Rank R writes out/rank{R}.json: per case the step's metrics, those tensors as lists, and the distance of
-the updated actor weights from those of the uncorrected perturbed case.
+the updated actor weights from those of the uncorrected perturbed case (None for a case at another TP layout).
 """
 from __future__ import annotations
 
@@ -73,9 +73,11 @@ def main() -> None:
         result[name], weights[name] = run_case(args.config, base + extra,
                                                args.engine_temperature if perturbed else None)
     reference = weights["perturbed_plain"]
-    for name in result:
-        result[name]["weights_diff_to_plain"] = max((a - b).abs().max().item()
-                                                    for a, b in zip(weights[name], reference))
+    for name in result:  # None for a case at another layout (its shards have other shapes)
+        same_layout = [a.shape for a in weights[name]] == [b.shape for b in reference]
+        result[name]["weights_diff_to_plain"] = (max((a - b).abs().max().item()
+                                                     for a, b in zip(weights[name], reference))
+                                                 if same_layout else None)
     rank = torch.distributed.get_rank()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
