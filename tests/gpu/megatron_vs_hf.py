@@ -1,6 +1,7 @@
-"""Megatron (local spec, nccl, one CUDA device) vs HF transformers on the same GPU; plus a bf16 update-throughput
-measurement. Run as a lone process by tests/gpu/test_gpu_megatron.py: `python megatron_vs_hf.py WORK_DIR`.
-Prints one JSON line.
+"""Megatron (nccl, one CUDA device; the SDPA attention spec and megatron's local spec) vs HF transformers on the
+same GPU; plus bf16 actor forward+backward throughput (tokens/s, MFU) at Qwen2.5-0.5B and 1.5B shapes, 4k-token
+sequences, for both specs. Run as a lone process by tests/gpu/test_gpu_megatron.py:
+`python megatron_vs_hf.py WORK_DIR`. Prints one JSON line.
 
 References are independent: HF's own forward (eager attention) on the same weights, fp32 on the GPU.
 """
@@ -22,6 +23,17 @@ from models_parallel import (TEMPERATURE, final_norm_grad_diff, hf_reference, ma
                              run_logits)
 
 
+IMPLS = ("local", "sdpa")  # local first: the SDPA results are compared with it
+# (name, HF config) of the throughput shapes: Qwen2.5-0.5B and -1.5B with random weights
+SHAPES = {
+    "qwen2.5-0.5b": {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                     "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+                     "tie_word_embeddings": True, "max_position_embeddings": 32768},
+    "qwen2.5-1.5b": {"model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+                     "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
+                     "tie_word_embeddings": True, "max_position_embeddings": 32768},
+}
+SEQ_LEN = 4096
 # CUDA is the point; the CPU fallback only lets a developer dry-run this script's logic without a GPU.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -41,12 +53,19 @@ def parity_cases(work: Path, dims, res: dict) -> None:
         args = read_hf_config(work / name)
         batches = to_device(micro_batches(args.vocab_size, seed=11))
         refs = hf_reference(hf, batches)
-        for dtype in (torch.float32, torch.bfloat16):
-            tag = f"{name}/{str(dtype).split('.')[-1]}"
-            chunks = build_gpt_model(args, dims, role="actor", dtype=dtype, transformer_impl="local")
+        local_logits_by_dtype: dict = {}
+        for impl, dtype in [(i, d) for i in IMPLS for d in (torch.float32, torch.bfloat16)]:
+            tag = f"{name}/{impl}/{str(dtype).split('.')[-1]}"
+            chunks = build_gpt_model(args, dims, role="actor", dtype=dtype, transformer_impl=impl)
             res[f"{tag}/param_device"] = str(next(chunks[0].parameters()).device)
+            res[f"{tag}/core_attention"] = type(chunks[0].decoder.layers[0].self_attention.core_attention).__name__
             load_hf_weights(chunks, work / name, args)
-            res[f"{tag}/logits"] = max_diff(run_logits(chunks, batches, args.vocab_size), refs, "logits")
+            logits = run_logits(chunks, batches, args.vocab_size)
+            res[f"{tag}/logits"] = max_diff(logits, refs, "logits")
+            if impl == "local":
+                local_logits_by_dtype[dtype] = logits
+            else:  # the SDPA spec against megatron's own attention, same weights and dtype
+                res[f"{tag}/logits_vs_local"] = max_diff(logits, local_logits_by_dtype[dtype], "logits")
             lp = compute_token_logprobs(chunks, batches, vocab_size=args.vocab_size, temperature=TEMPERATURE)
             res[f"{tag}/log_probs"] = max_diff(lp, refs, "log_probs")
             res[f"{tag}/entropy"] = max_diff(lp, refs, "entropy")
@@ -82,44 +101,54 @@ def peak_bf16_tflops() -> float:
 
 
 def update_throughput(dims, res: dict) -> None:
-    """Forward+backward through mppo's pipeline schedule of a Qwen2-0.5B-shaped actor (random weights, bf16,
-    the Triton fused log-prob loss): tokens/s and MFU against the measured peak. Local spec (no Transformer
-    Engine on this machine): megatron's unfused attention."""
+    """Forward+backward through mppo's pipeline schedule of Qwen2.5-0.5B/1.5B-shaped actors (random weights, bf16,
+    the Triton fused log-prob loss) on micro-batches of one 4,096-token sequence: tokens/s and MFU against the
+    measured matmul peak, for the SDPA spec and megatron's local spec (unfused attention, [heads, s, s] scores)."""
     from mppo.models.builders import build_gpt_model
     from mppo.models.hf_config import read_hf_config
     from mppo.workers.pipeline import logprob_forward_step, run_pipeline
 
-    args = read_hf_config({"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
-                           "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-                           "vocab_size": 151936, "tie_word_embeddings": True, "max_position_embeddings": 4096})
-    chunks = build_gpt_model(args, dims, role="actor", dtype=torch.bfloat16, transformer_impl="local")
-    params = sum(p.numel() for p in chunks[0].parameters())
-    b, s = 8, 1024
-    g = torch.Generator().manual_seed(0)
-    batches = to_device([{"input_ids": torch.randint(0, args.vocab_size, (b, s), generator=g)} for _ in range(2)])
-    step = logprob_forward_step(vocab_size=args.vocab_size, logprob_fn=partial(fused_linear_logprob_entropy,
-                                                                                backend="triton"))
-
-    def update() -> None:
-        run_pipeline(chunks, batches, step, forward_only=False)
-
-    for _ in range(2):
-        update()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        update()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    sec = sorted(times)[len(times) // 2]
-    tokens = b * s * len(batches)
-    # 6 x params per token (dense fwd+bwd) + causal attention scores and values: 6 x layers x hidden x s per token
-    flops = 6 * params * tokens + 6 * args.num_layers * args.hidden_size * s * tokens
     peak = peak_bf16_tflops()
-    res["update"] = {"params": params, "tokens": tokens, "median_s": sec, "tokens_per_s": tokens / sec,
-                     "tflops": flops / sec / 1e12, "peak_tflops": peak, "mfu": flops / sec / 1e12 / peak,
-                     "max_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
+    res["peak_tflops"] = peak
+    q = torch.randn(1, 14, SEQ_LEN, 64, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, 2, SEQ_LEN, 64, device="cuda", dtype=torch.bfloat16)
+    choice = torch._fused_sdp_choice(q, kv, kv, is_causal=True, enable_gqa=True)  # which kernel SDPA dispatches to
+    res["sdpa_backend_bf16_causal_gqa"] = torch.nn.attention.SDPBackend(choice).name
+    for shape, config in SHAPES.items():
+        args = read_hf_config(config)
+        g = torch.Generator().manual_seed(0)
+        batches = to_device([{"input_ids": torch.randint(0, args.vocab_size, (1, SEQ_LEN), generator=g)}
+                             for _ in range(4)])
+        step = logprob_forward_step(vocab_size=args.vocab_size, logprob_fn=partial(fused_linear_logprob_entropy,
+                                                                                    backend="triton"))
+        for impl in ("sdpa", "local"):
+            key = f"update/{shape}/{impl}"
+            try:
+                chunks = build_gpt_model(args, dims, role="actor", dtype=torch.bfloat16, transformer_impl=impl)
+                params = sum(p.numel() for p in chunks[0].parameters())
+                torch.cuda.reset_peak_memory_stats()
+                for _ in range(2):
+                    run_pipeline(chunks, batches, step, forward_only=False)
+                torch.cuda.synchronize()
+                times = []
+                for _ in range(5):
+                    t = time.perf_counter()
+                    run_pipeline(chunks, batches, step, forward_only=False)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t)
+                sec = sorted(times)[len(times) // 2]
+                tokens = SEQ_LEN * len(batches)
+                # 6 x params per token (dense fwd+bwd) + causal attention scores and values: 6 x layers x hidden x s
+                flops = 6 * params * tokens + 6 * args.num_layers * args.hidden_size * SEQ_LEN * tokens
+                res[key] = {"params": params, "tokens": tokens, "seq_len": SEQ_LEN, "median_s": sec,
+                            "tokens_per_s": tokens / sec, "tflops": flops / sec / 1e12, "peak_tflops": peak,
+                            "mfu": flops / sec / 1e12 / peak,
+                            "max_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
+            except Exception as err:  # noqa: BLE001 - one shape running out of memory must not hide the others
+                res[key] = {"error": f"{type(err).__name__}: {err}"[:500]}
+            chunks = None
+            torch.cuda.empty_cache()
+    res["update"] = res["update/qwen2.5-0.5b/sdpa"]  # the headline figure (docs/GPU.md)
 
 
 def main() -> None:
