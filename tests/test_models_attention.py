@@ -45,6 +45,14 @@ def test_sdpa_mask_types_bf16_and_decode(res):
     assert res["decode/sdpa_vs_naive"] <= RTOL  # one query against all keys
 
 
+def test_sdpa_runs_the_cpu_flash_kernel(res):
+    """What SDPAttention passes (grouped K/V, fp32, causal or masked) runs torch's CPU flash kernel as it is: the
+    linear memory of tests/test_long_sequences.py and `mppo bench attention` comes from it."""
+    for case in ("causal", "masked"):
+        assert res[f"dispatch/{case}"] == "FLASH_ATTENTION", case
+        assert res[f"dispatch/{case}/kv_unchanged"], case
+
+
 def test_sdpa_refuses_what_it_does_not_compute(res):
     assert res["errors/uneven_causal"].startswith("ValueError: causal SDPA attention needs as many queries")
     assert "not packed sequences; use transformer_impl=te" in res["errors/packed"]

@@ -12,7 +12,9 @@ No mask and a causal layer (what mppo passes: right-padded rows, positions 0..s-
 layer given a mask applies the causal mask too. A query whose keys are all masked attends uniformly to every key
 and passes no gradient to queries and keys, exactly as megatron's constant fill of masked scores makes it (SDPA
 alone would give NaN).
-Grouped-query attention uses SDPA's `enable_gqa` (no repeated K/V copies).
+Grouped-query attention uses SDPA's `enable_gqa` (no repeated K/V copies) where the kernel takes it; on CUDA, where
+only the fp16/bf16 flash kernel does, other inputs (fp32, a mask) get K/V repeated to the query heads so that the
+memory-efficient or cuDNN kernel runs instead of the math one (`kv_for_fused_kernel`).
 
 Not covered (each raises): packed THD sequences (`packed_seq_params`), attention bias, sliding windows, non-vanilla
 softmax, context parallelism. Those need Transformer Engine's attention (`transformer_impl=te`).
@@ -25,6 +27,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -34,6 +37,31 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
+
+
+def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                 dropout_p: float = 0.0, is_causal: bool = False) -> SDPBackend:
+    """The kernel torch SDPA dispatches these [b, h, s, d] inputs to (K/V with fewer heads: grouped-query)."""
+    choice = torch._fused_sdp_choice(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                     enable_gqa=k.shape[1] != q.shape[1])
+    return SDPBackend(choice)
+
+
+def kv_for_fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                        dropout_p: float, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as SDPA should get them: grouped as they are, or repeated to the query heads when only that lets a
+    fused kernel run. On CUDA only the flash kernel takes grouped K/V, and only in fp16/bf16 without a mask; fp32
+    (or a mask) would fall to the math kernel, which materialises [b, h, sq, sk] scores, while repeated K/V
+    (O(s) extra memory) let the memory-efficient or cuDNN kernel run. The CPU flash kernel takes grouped K/V,
+    masks and fp32 as they are."""
+    heads = q.shape[1]
+    if k.shape[1] == heads or not q.is_cuda or sdpa_backend(q, k, v, attn_mask, dropout_p,
+                                                               is_causal) != SDPBackend.MATH:
+        return k, v
+    repeated = [t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v)]
+    if sdpa_backend(q, *repeated, attn_mask, dropout_p, is_causal) == SDPBackend.MATH:
+        return k, v  # math either way: the grouped tensors are smaller
+    return repeated[0], repeated[1]
 
 
 class SDPAttention(MegatronModule):
@@ -94,6 +122,7 @@ class SDPAttention(MegatronModule):
             keep = keep | empty
             q = q.masked_fill(empty, 0.0)
         dropout_p = self.dropout_p if self.training else 0.0
+        k, v = kv_for_fused_kernel(q, k, v, keep, dropout_p, causal)
         # dropout off draws no random numbers: no need to fork the model-parallel RNG
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
             context = F.scaled_dot_product_attention(

@@ -99,6 +99,15 @@ def core_attention_cases(res: dict, config) -> None:
     q1 = tensors[0][-1:].detach()
     ref = naive_attention(q1, *tensors[1:], torch.ones(1, SQ, dtype=torch.bool))
     res["decode/sdpa_vs_naive"] = max_rel([sdpa(q1, *tensors[1:], None).double()], [ref])
+    # the kernel SDPA runs on CPU for what SDPAttention passes ([b, h, s, d] views, grouped K/V): the flash kernel,
+    # with the K/V tensors as they are (kv_for_fused_kernel repeats them only on CUDA, when that avoids math)
+    from mppo.models.attention import kv_for_fused_kernel, sdpa_backend
+
+    q, k, v = (t.detach().permute(1, 2, 0, 3) for t in tensors)
+    for case, mask, causal in (("causal", None, True), ("masked", keep, False)):
+        res[f"dispatch/{case}"] = sdpa_backend(q, k, v, mask, 0.0, causal).name
+        kv = kv_for_fused_kernel(q, k, v, mask, 0.0, causal)
+        res[f"dispatch/{case}/kv_unchanged"] = kv[0] is k and kv[1] is v
     for key, call in {
         "errors/uneven_causal": lambda: sdpa(tensors[0][:5], *tensors[1:], None),
         "errors/packed": lambda: sdpa(*tensors, None, packed_seq_params=PackedSeqParams(qkv_format="thd")),

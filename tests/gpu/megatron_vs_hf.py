@@ -8,6 +8,7 @@ References are independent: HF's own forward (eager attention) on the same weigh
 from __future__ import annotations
 
 import json
+import traceback
 import sys
 import time
 from functools import partial
@@ -34,8 +35,14 @@ SHAPES = {
                      "tie_word_embeddings": True, "max_position_embeddings": 32768},
 }
 SEQ_LEN = 4096
-# CUDA is the point; the CPU fallback only lets a developer dry-run this script's logic without a GPU.
+# CUDA is the point; the CPU fallback only lets a developer dry-run this script's logic without a GPU
+# (`TRITON_INTERPRET=1 python tests/gpu/megatron_vs_hf.py /tmp/dry`): every parity case, and the throughput
+# stage on a tiny shape and short sequences with the torch log-prob kernel (no MFU: there is no matmul peak).
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DRY_RUN_SHAPES = {"tiny": {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+                           "tie_word_embeddings": True, "max_position_embeddings": 256}}
+DRY_RUN_SEQ_LEN = 256
 
 
 def to_device(batches: list[dict]) -> list[dict]:
@@ -100,6 +107,31 @@ def peak_bf16_tflops() -> float:
     return 2 * 8192 ** 3 / best / 1e12
 
 
+def sdpa_kernels(seq_len: int) -> dict:
+    """Which kernel torch SDPA runs for mppo's SDPAttention on this device: causal GQA attention with the
+    Qwen2.5-0.5B heads (14 query, 2 KV, head dim 64), no mask (what mppo passes) and with a padding mask, bf16 and
+    fp32; and whether K/V had to be repeated to the query heads for it (`kv_for_fused_kernel`)."""
+    from mppo.models.attention import kv_for_fused_kernel, sdpa_backend
+
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        q = torch.randn(1, 14, seq_len, 64, device=DEVICE, dtype=dtype)
+        kv = torch.randn(1, 2, seq_len, 64, device=DEVICE, dtype=dtype)
+        keep = torch.ones(1, 1, seq_len, seq_len, device=DEVICE, dtype=torch.bool).tril()
+        keep[..., -3:] = False  # three trailing padding keys
+        for case, mask, causal in (("causal", None, True), ("masked", keep, False)):
+            k, v = kv_for_fused_kernel(q, kv, kv, mask, 0.0, causal)
+            tag = f"sdpa_kernel/{str(dtype).split('.')[-1]}/{case}"
+            out[tag] = sdpa_backend(q, k, v, mask, 0.0, causal).name
+            out[f"{tag}/kv_repeated"] = k.shape[1] != kv.shape[1]
+    return out
+
+
+def synchronize() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def update_throughput(dims, res: dict) -> None:
     """Forward+backward through mppo's pipeline schedule of Qwen2.5-0.5B/1.5B-shaped actors (random weights, bf16,
     the Triton fused log-prob loss) on micro-batches of one 4,096-token sequence: tokens/s and MFU against the
@@ -108,47 +140,49 @@ def update_throughput(dims, res: dict) -> None:
     from mppo.models.hf_config import read_hf_config
     from mppo.workers.pipeline import logprob_forward_step, run_pipeline
 
-    peak = peak_bf16_tflops()
+    cuda = DEVICE.type == "cuda"
+    shapes, seq_len = (SHAPES, SEQ_LEN) if cuda else (DRY_RUN_SHAPES, DRY_RUN_SEQ_LEN)
+    peak = peak_bf16_tflops() if cuda else None
     res["peak_tflops"] = peak
-    q = torch.randn(1, 14, SEQ_LEN, 64, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(1, 2, SEQ_LEN, 64, device="cuda", dtype=torch.bfloat16)
-    choice = torch._fused_sdp_choice(q, kv, kv, is_causal=True, enable_gqa=True)  # which kernel SDPA dispatches to
-    res["sdpa_backend_bf16_causal_gqa"] = torch.nn.attention.SDPBackend(choice).name
-    for shape, config in SHAPES.items():
+    res.update(sdpa_kernels(seq_len))
+    for shape, config in shapes.items():
         args = read_hf_config(config)
         g = torch.Generator().manual_seed(0)
-        batches = to_device([{"input_ids": torch.randint(0, args.vocab_size, (1, SEQ_LEN), generator=g)}
+        batches = to_device([{"input_ids": torch.randint(0, args.vocab_size, (1, seq_len), generator=g)}
                              for _ in range(4)])
-        step = logprob_forward_step(vocab_size=args.vocab_size, logprob_fn=partial(fused_linear_logprob_entropy,
-                                                                                    backend="triton"))
+        step = logprob_forward_step(vocab_size=args.vocab_size, logprob_fn=partial(
+            fused_linear_logprob_entropy, backend="triton" if cuda else "torch"))
         for impl in ("sdpa", "local"):
             key = f"update/{shape}/{impl}"
             try:
                 chunks = build_gpt_model(args, dims, role="actor", dtype=torch.bfloat16, transformer_impl=impl)
                 params = sum(p.numel() for p in chunks[0].parameters())
-                torch.cuda.reset_peak_memory_stats()
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
                 for _ in range(2):
                     run_pipeline(chunks, batches, step, forward_only=False)
-                torch.cuda.synchronize()
+                synchronize()
                 times = []
                 for _ in range(5):
                     t = time.perf_counter()
                     run_pipeline(chunks, batches, step, forward_only=False)
-                    torch.cuda.synchronize()
+                    synchronize()
                     times.append(time.perf_counter() - t)
                 sec = sorted(times)[len(times) // 2]
-                tokens = SEQ_LEN * len(batches)
+                tokens = seq_len * len(batches)
                 # 6 x params per token (dense fwd+bwd) + causal attention scores and values: 6 x layers x hidden x s
-                flops = 6 * params * tokens + 6 * args.num_layers * args.hidden_size * SEQ_LEN * tokens
-                res[key] = {"params": params, "tokens": tokens, "seq_len": SEQ_LEN, "median_s": sec,
+                flops = 6 * params * tokens + 6 * args.num_layers * args.hidden_size * seq_len * tokens
+                res[key] = {"params": params, "tokens": tokens, "seq_len": seq_len, "median_s": sec,
                             "tokens_per_s": tokens / sec, "tflops": flops / sec / 1e12, "peak_tflops": peak,
-                            "mfu": flops / sec / 1e12 / peak,
-                            "max_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
+                            "mfu": flops / sec / 1e12 / peak if peak else None,
+                            "core_attention": type(chunks[0].decoder.layers[0].self_attention.core_attention).__name__,
+                            "max_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
             except Exception as err:  # noqa: BLE001 - one shape running out of memory must not hide the others
                 res[key] = {"error": f"{type(err).__name__}: {err}"[:500]}
             chunks = None
-            torch.cuda.empty_cache()
-    res["update"] = res["update/qwen2.5-0.5b/sdpa"]  # the headline figure (docs/GPU.md)
+            if cuda:
+                torch.cuda.empty_cache()
+    res["update"] = res[f"update/{next(iter(shapes))}/sdpa"]  # the headline figure (docs/GPU.md)
 
 
 def main() -> None:
@@ -159,12 +193,12 @@ def main() -> None:
     res: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if DEVICE.type == "cuda" else "cpu"}
     dims = init_distributed(1, 1, seed=1234)
     res["dims"] = [dims.backend, str(dims.device)]
-    for stage in (parity_cases, update_throughput) if DEVICE.type == "cuda" else (parity_cases,):
+    for name, run in (("parity_cases", lambda: parity_cases(work, dims, res)),
+                      ("update_throughput", lambda: update_throughput(dims, res))):
         try:
-            stage(work, dims, res) if stage is parity_cases else stage(dims, res)
+            run()
         except Exception as err:  # report and go on: one failure must not hide the other stage's result
-            import traceback
-            res[f"{stage.__name__}/error"] = traceback.format_exc()[-3000:]
+            res[f"{name}/error"] = traceback.format_exc()[-3000:]
             print(err, file=sys.stderr)
     print(json.dumps(res))
 

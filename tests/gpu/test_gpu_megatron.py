@@ -37,8 +37,13 @@ def test_megatron_matches_hf_on_gpu(tmp_path):
         assert res[f"{name}/sdpa/float32/logits_vs_local"] < 1e-3
         assert res[f"{name}/sdpa/bfloat16/logits_vs_local"] < 0.15
     assert "update_throughput/error" not in res, res["update_throughput/error"]
+    # a fused kernel, never the math one that materialises [b, h, s, s] scores; fp32 runs with K/V repeated
+    for dtype in ("bfloat16", "float32"):
+        for case in ("causal", "masked"):
+            assert res[f"sdpa_kernel/{dtype}/{case}"] != "MATH", (dtype, case)
     for shape in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
         for impl in ("sdpa", "local"):
             update = res[f"update/{shape}/{impl}"]
             assert "error" not in update, (shape, impl, update)
             assert 0 < update["mfu"] < 1 and update["seq_len"] == 4096
+            assert update["core_attention"] == {"sdpa": "SDPAttention", "local": "DotProductAttention"}[impl]
