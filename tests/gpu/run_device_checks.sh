@@ -4,8 +4,8 @@
 # machine cannot reach an index. Results: $OUT/log.txt, $OUT/doctor.json, $OUT/bench_kernels.json,
 # $OUT/bench_attention.json, $OUT/reports/*.json (numbers the tests measured).
 #   OUT=/tmp/gpu-out bash tests/gpu/run_device_checks.sh
-# STAGES picks stages (default "doctor tests bench attention"; also "tune"), GPU_TESTS the pytest targets, BENCH_IMPLS
-# the kernels compared.
+# STAGES picks stages (default "doctor tests bench", sized for one call of <= 8 minutes; also "tune" and "attention",
+# ~2 minutes each), GPU_TESTS the pytest targets, BENCH_IMPLS the kernels compared.
 set -u
 OUT="${OUT:-/tmp/mppo-gpu-checks}"
 mkdir -p "$OUT/reports"
@@ -22,7 +22,7 @@ fi
 # from kernels/ (setup.py package_dir), so link it in place when it does not import.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import mppo.kernels" 2>/dev/null || ln -sfn ../kernels mppo/kernels
-STAGES="${STAGES:-doctor tests bench attention}"
+STAGES="${STAGES:-doctor tests bench}"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 "$PY" -m pip list 2>/dev/null | grep -iE "^(torch|triton|transformers|megatron-core|omegaconf|liger-kernel) "
 
