@@ -42,7 +42,9 @@ class ModelConfig:
     path: Optional[str] = None  # HF model directory (config.json + safetensors); required to train
     tokenizer_path: Optional[str] = None  # tokenizer directory; null: model.path
     trust_remote_code: bool = False  # allow custom modelling code shipped with the checkpoint
-    transformer_impl: str = choice("auto", "te", "local")  # layer spec: auto = Transformer Engine if usable on GPU
+    # layer spec: auto = Transformer Engine if usable on GPU, else sdpa (megatron's local layers with fused SDPA
+    # attention); local = megatron's unfused attention (materialises [heads, s, s] scores; a reference)
+    transformer_impl: str = choice("auto", "te", "sdpa", "local")
     dtype: str = choice("auto", "fp32", "bf16")  # parameter dtype; auto = bf16 on cuda, fp32 on cpu
 
 
