@@ -84,6 +84,7 @@ VERL_DEFAULTS = {
     "trainer.total_epochs": 30, "trainer.total_training_steps": None, "trainer.save_freq": -1,
     "trainer.test_freq": -1, "trainer.val_before_train": True, "trainer.critic_warmup": 0, "trainer.nnodes": 1,
     "trainer.n_gpus_per_node": 8, "trainer.resume_mode": "auto", "trainer.max_ckpt_to_keep": None,
+    "actor_rollout_ref.rollout.ignore_eos": False,
 }
 
 

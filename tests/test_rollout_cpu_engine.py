@@ -204,6 +204,13 @@ def test_stop_tokens_and_length_limit(source, prompts):
     for r in engine.generate(prompts, SamplingParams(n=2, max_new_tokens=3, seed=1), step=0):
         assert len(r.token_ids) == 3 and r.finish_reason == "length"
 
+    # ignore_eos: neither the stop token nor the config's eos ends the sample; it is the unstopped greedy run
+    fixed = SamplingParams(do_sample=False, max_new_tokens=10, stop_token_ids=[stop_token], ignore_eos=True)
+    for runner in (engine, eos_engine):
+        unstopped = runner.generate(prompts[:1], fixed, step=0)[0]
+        assert unstopped.token_ids == reference and unstopped.finish_reason == "length"
+        assert unstopped.token_ids[stop_at] == stop_token
+
 
 def test_release_and_resume_round_trip(source, prompts):
     engine = loaded_engine(source)

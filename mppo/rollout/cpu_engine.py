@@ -140,7 +140,7 @@ class CPURolloutEngine(RolloutEngine):
         vocab = self._config.vocab_size
         if any(t >= vocab for p in prompt_token_ids for t in p):
             raise ValueError(f"a prompt contains a token id >= the vocabulary size {vocab}")
-        stop_ids = frozenset(sampling.stop_token_ids) | self._config_eos
+        stop_ids = frozenset() if sampling.ignore_eos else frozenset(sampling.stop_token_ids) | self._config_eos
 
         caches = [self._runner.new_sequence(len(p) + sampling.max_new_tokens) for p in prompt_token_ids]
         prompt_logits = self._runner.forward(prompt_token_ids, caches)  # the prompt is prefilled once for n samples
