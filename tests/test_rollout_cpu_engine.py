@@ -5,10 +5,12 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
-from mppo.rollout import RolloutStateError, SamplingParams
+from mppo.rollout import RolloutStateError, SamplingParams, cpu_decode
 from mppo.rollout.cpu_engine import CPURolloutEngine
+from mppo.rollout.cpu_model import MIN_ROWS, silu
 
 VOCAB = 500
 
@@ -157,6 +159,84 @@ def test_same_seed_same_rollouts_across_batch_compositions_and_dp_splits(source,
             assert got[key].finish_reason == reference.finish_reason, (label, key)
 
 
+def test_premise_gemm_rows_do_not_depend_on_the_other_rows():
+    """The engine's batch invariance rests on this property of the CPU BLAS (mppo/rollout/cpu_model.py)."""
+    gen = torch.Generator().manual_seed(3)
+    for k, n in [(64, 128), (128, 352), (352, 128), (64, VOCAB)]:
+        weight = torch.randn(n, k, generator=gen)
+        x = torch.randn(120, k, generator=gen)
+        alone = torch.stack([F.linear(torch.cat([x[i : i + 1], x[:MIN_ROWS - 1]]), weight)[0] for i in range(120)])
+        for rows in (MIN_ROWS, 17, 31, 32, 33, 64, 95, 120):
+            assert torch.equal(as_bits(F.linear(x[:rows], weight)), as_bits(alone[:rows])), (k, n, rows)
+
+
+def test_premise_elementwise_ops_do_not_depend_on_an_elements_position():
+    """exp, log, cos and the engine's silu give an element the same bits in a tensor of any length and offset
+    (torch's own silu does not: its scalar tail code differs, see mppo/rollout/cpu_model.py)."""
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(4)) * 6
+    for name, op in {"exp": torch.exp, "log": lambda t: torch.log(t.abs() + 1e-3), "cos": torch.cos,
+                     "silu": silu, "exp64": lambda t: torch.exp(t.double())}.items():
+        whole = op(x)
+        for start, length in [(0, 1), (5, 7), (31, 33), (100, 15), (1000, 63), (2999, 1), (64, 2000)]:
+            part = op(x[start : start + length].clone())
+            assert torch.equal(part, whole[start : start + length]), (name, start, length)
+    assert torch.allclose(silu(x), F.silu(x), rtol=1e-6, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def odd_source():
+    """Widths that are no multiple of the vector length (intermediate 100, 3 query heads per KV head)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(99)
+        config = tiny_qwen2_config(initializer_range=0.2, hidden_size=48, intermediate_size=100,
+                                   num_attention_heads=3, num_key_value_heads=1, tie_word_embeddings=False)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("model", ["source", "odd_source"])
+def test_bitwise_invariance_with_long_prompts_stops_compaction_and_threads(model, request, monkeypatch):
+    """Prompts over several attention blocks, samples stopping at different steps (so batches compact at
+    different times in different compositions), other prompts around them, DP splits and worker threads."""
+    source = request.getfixturevalue(model)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 100))] for _ in range(9)]
+    engine = loaded_engine(source)
+    free = engine.generate(prompts, SamplingParams(n=4, temperature=1.2, max_new_tokens=40, seed=2), step=1)
+    counts = torch.bincount(torch.tensor([t for r in free for t in r.token_ids]), minlength=VOCAB)
+    stop = counts.argsort(descending=True)[:6].tolist()  # the most frequent tokens: most samples stop early
+    sampling = SamplingParams(n=4, temperature=1.2, top_p=0.95, max_new_tokens=40, seed=2, stop_token_ids=stop)
+
+    compactions = []
+    real_compact = cpu_decode._compact
+    monkeypatch.setattr(cpu_decode, "_compact", lambda *a: compactions.append(1) or real_compact(*a))
+    together = by_key(engine.generate(prompts, sampling, step=1))
+    reasons = [r.finish_reason for r in together.values()]
+    assert 0 < reasons.count("stop") < len(reasons) and len({len(r.token_ids) for r in together.values()}) > 5
+    assert compactions, "the batch never compacted: the test does not cover it"
+
+    others = [[rng.randrange(VOCAB) for _ in range(150)], [7]]
+    half = len(prompts) // 2
+    compositions = {
+        "one by one": [r for i, p in enumerate(prompts)
+                       for r in engine.generate([p], sampling, step=1, prompt_offsets=[i])],
+        "reversed": engine.generate(prompts[::-1], sampling, step=1, prompt_offsets=list(range(len(prompts)))[::-1]),
+        "with a longer prompt and a one-token prompt": engine.generate(
+            prompts[:half] + others + prompts[half:], sampling, step=1,
+            prompt_offsets=list(range(half)) + [100, 101] + list(range(half, len(prompts)))),
+        "DP2": engine.generate(prompts[:half], sampling, step=1) + loaded_engine(source).generate(
+            prompts[half:], sampling, step=1, prompt_offsets=list(range(half, len(prompts)))),
+    }
+    torch.set_num_threads(2)  # two workers, each on its share of the prompts (mppo/rollout/cpu_decode.py)
+    compositions["2 threads"] = engine.generate(prompts, sampling, step=1)
+    torch.set_num_threads(1)
+    for label, responses in compositions.items():
+        got = by_key(responses)
+        for key, reference in together.items():
+            assert got[key].token_ids == reference.token_ids, (label, key)
+            assert got[key].log_probs == reference.log_probs, (label, key)  # bitwise
+            assert got[key].finish_reason == reference.finish_reason, (label, key)
+
+
 def test_seeds_steps_and_samples_give_different_rollouts(source, prompts):
     engine = loaded_engine(source)
 
@@ -252,5 +332,7 @@ def test_bad_generate_arguments(source):
     other_architecture.model_type = "gpt2"
     with pytest.raises(ValueError, match="model_type"):
         CPURolloutEngine(other_architecture)
+    with pytest.raises(ValueError, match="SiLU"):
+        CPURolloutEngine(tiny_qwen2_config(hidden_act="gelu"))
     with pytest.raises(ValueError, match="sliding"):
         CPURolloutEngine(tiny_qwen2_config(use_sliding_window=True, sliding_window=8, max_window_layers=0))
