@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
 from mppo.rollout import RolloutStateError, SamplingParams, cpu_decode
 from mppo.rollout.cpu_engine import CPURolloutEngine
+from mppo.rollout.cpu_attention import MIN_QUERIES, OWN_BLOCK, value_width
 from mppo.rollout.cpu_model import MIN_ROWS, silu
 
 VOCAB = 500
@@ -170,6 +171,51 @@ def test_premise_gemm_rows_do_not_depend_on_the_other_rows():
             assert torch.equal(as_bits(F.linear(x[:rows], weight)), as_bits(alone[:rows])), (k, n, rows)
 
 
+def _at_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
+    """A copy of t (same shape and strides order) starting `offset` elements into a fresh buffer."""
+    buffer = torch.empty(offset + t.numel(), dtype=t.dtype)
+    view = buffer[offset:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+# The engine's batched products (mppo/rollout/cpu_attention.py), [rows x inner] @ [inner x cols]: prompt q @ k^T
+# (queries = n x group, head_dim, padded length), prompt weights x values (queries, BLOCK, value width), own q @ k^T
+# (>= MIN_QUERIES, head_dim, multiple of OWN_BLOCK), own weights x values; head_dim 4 to 64.
+ENGINE_PRODUCTS = [(MIN_QUERIES, 16, 32), (16, 16, 160), (12, 16, 64), (16, 64, 96), (8, 4, 64), (MIN_QUERIES, 32, 17),
+                   (16, 32, 17), (12, 32, 65), (8, 32, value_width(4)), (MIN_QUERIES, 16, OWN_BLOCK),
+                   (MIN_QUERIES, 16, 3 * OWN_BLOCK), (7, 64, 2 * OWN_BLOCK), (MIN_QUERIES, 8, OWN_BLOCK),
+                   (MIN_QUERIES, OWN_BLOCK, 17), (MIN_QUERIES, 3 * OWN_BLOCK, 17), (7, 2 * OWN_BLOCK, 65),
+                   (MIN_QUERIES, OWN_BLOCK, value_width(8))]
+
+
+@pytest.mark.parametrize("rows, inner, cols", ENGINE_PRODUCTS)
+def test_premise_batched_products_do_not_depend_on_place_batch_or_key_count(rows, inner, cols):
+    """Decode attention's batch invariance rests on these (mppo/rollout/cpu_attention.py): with >= MIN_QUERIES rows
+    and >= 16 columns (measured here: fewer rows, or fewer than 12 columns, take kernels whose bits depend on
+    the memory offset of the matrices), a product's bits do not depend on where its inputs and output lie in
+    memory (a matrix's place in a batch), on transposed storage, or on the batch size; and q @ k^T's entries do
+    not depend on how many key columns (padded prompt positions) follow."""
+    gen = torch.Generator().manual_seed(rows * 1000 + inner * 10 + cols)
+    a, b = torch.randn(1, rows, inner, generator=gen), torch.randn(1, inner, cols, generator=gen)
+    reference = as_bits(torch.bmm(a, b))
+    for offset in range(16):
+        out = _at_offset(torch.empty(1, rows, cols), offset)
+        torch.bmm(_at_offset(a, offset), _at_offset(b, (3 * offset) % 16), out=out)
+        a_t = _at_offset(a.transpose(1, 2).contiguous(), offset).transpose(1, 2)  # column-major storage
+        b_t = _at_offset(b.transpose(1, 2).contiguous(), offset).transpose(1, 2)
+        for got in (out, torch.bmm(a_t, b), torch.bmm(a, b_t), torch.bmm(a_t, b_t)):
+            assert torch.equal(as_bits(got), reference), offset
+    many_a, many_b = torch.randn(40, rows, inner, generator=gen), torch.randn(40, inner, cols, generator=gen)
+    alone = torch.cat([torch.bmm(many_a[i : i + 1], many_b[i : i + 1]) for i in range(40)])
+    for batch in (2, 3, 17, 40):
+        assert torch.equal(as_bits(torch.bmm(many_a[:batch], many_b[:batch])), as_bits(alone[:batch])), batch
+    keys = torch.randn(1, 512, inner, generator=gen)
+    first = as_bits(torch.bmm(a, keys[:, :32].transpose(1, 2)))
+    for length in (64, 96, 160, 512):
+        assert torch.equal(as_bits(torch.bmm(a, keys[:, :length].transpose(1, 2))[..., :32]), first), length
+
+
 def test_premise_elementwise_ops_do_not_depend_on_an_elements_position():
     """exp, log, cos and the engine's silu give an element the same bits in a tensor of any length and offset
     (torch's own silu does not: its scalar tail code differs, see mppo/rollout/cpu_model.py)."""
@@ -193,18 +239,29 @@ def odd_source():
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("model", ["source", "odd_source"])
-def test_bitwise_invariance_with_long_prompts_stops_compaction_and_threads(model, request, monkeypatch):
+@pytest.fixture(scope="module")
+def mha_source():
+    """One query head per KV head (group 1: fewer queries than MIN_QUERIES per slot), head_dim 16."""
+    with torch.random.fork_rng():
+        torch.manual_seed(98)
+        config = tiny_qwen2_config(initializer_range=0.2, hidden_size=32, intermediate_size=64,
+                                   num_attention_heads=2, num_key_value_heads=2)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("model, n", [("source", 4), ("odd_source", 4), ("mha_source", 3), ("mha_source", 1)])
+def test_bitwise_invariance_with_long_prompts_stops_compaction_and_threads(model, n, request, monkeypatch):
     """Prompts over several attention blocks, samples stopping at different steps (so batches compact at
     different times in different compositions), other prompts around them, DP splits and worker threads."""
     source = request.getfixturevalue(model)
     rng = random.Random(11)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 100))] for _ in range(9)]
+    prompts += [[3], [4, 5], [6, 7, 8]]  # prefill of fewer than 4 rows, at different offsets in the packed batch
     engine = loaded_engine(source)
-    free = engine.generate(prompts, SamplingParams(n=4, temperature=1.2, max_new_tokens=40, seed=2), step=1)
+    free = engine.generate(prompts, SamplingParams(n=n, temperature=1.2, max_new_tokens=40, seed=2), step=1)
     counts = torch.bincount(torch.tensor([t for r in free for t in r.token_ids]), minlength=VOCAB)
     stop = counts.argsort(descending=True)[:6].tolist()  # the most frequent tokens: most samples stop early
-    sampling = SamplingParams(n=4, temperature=1.2, top_p=0.95, max_new_tokens=40, seed=2, stop_token_ids=stop)
+    sampling = SamplingParams(n=n, temperature=1.2, top_p=0.95, max_new_tokens=40, seed=2, stop_token_ids=stop)
 
     compactions = []
     real_compact = cpu_decode._compact

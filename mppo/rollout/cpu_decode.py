@@ -3,7 +3,8 @@
 Per step, for all rows at once and with no Python per sample: one forward (mppo.rollout.cpu_model), one uniform
 per row (counter-based, from the sample's seed and the token position), the token choice, and the stop check.
 Samples that stop stay in the batch as dead rows (rows never influence each other) until a quarter of the rows
-or of the prompts are dead: then the batch is compacted (rows, their caches, the caches of prompts still running).
+or of the prompts are dead: then the batch is compacted (live rows; the prompt and own caches of the prompts that
+still have a live sample, whose stopped samples' slots stay and compute on, ignored).
 
 Threads: with torch set to k > 1 intra-op threads, the prompts are split into k groups that k workers generate
 concurrently, each with single-threaded torch (the GIL is released inside torch ops, so one worker's kernels
@@ -24,24 +25,31 @@ from mppo.rollout.cpu_model import MIN_ROWS, PackedCausalLM, Rope
 from mppo.rollout.sampling import choose_tokens, counter_uniforms
 
 Result = tuple[list[int], list[float], str]  # token ids, log-probs, finish reason
+# Random numbers are drawn for this many token positions of every sample at once (one tensor expression).
+UNIFORM_BLOCK = 64
 
 
 @dataclasses.dataclass
 class _Batch:
     """The decode batch: row i < len(samples) holds sample samples[i]; rows past them are padding."""
 
-    prompt_ids: torch.Tensor  # int64 [prompts]: local prompt numbers whose caches are in `prompts`
+    prompt_ids: torch.Tensor  # int64 [prompts]: local prompt numbers whose caches are in `prompts` and `own`
     samples: torch.Tensor  # int64 [live rows]: local sample numbers (prompt * n + sample index)
     alive: torch.Tensor  # bool [live rows]: not stopped yet
     prompts: PromptKV
-    rows: SampleKV
+    own: SampleKV  # the generated tokens' keys and values, by slot of the prompts in `prompts`
     layout: DecodeLayout
-    seeds: torch.Tensor  # int64 [padded rows]
+    row_samples: torch.Tensor  # int64 [padded rows]: the sample of each row (padding rows: any)
     prompt_lengths: torch.Tensor  # int64 [padded rows]: absolute position of generated token 0
 
     @property
     def padded_rows(self) -> int:
-        return self.seeds.shape[0]
+        return self.row_samples.shape[0]
+
+    def live_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of samples not stopped yet, and their sample numbers."""
+        live = self.alive.nonzero()[:, 0]
+        return live, self.samples[live]
 
 
 def _pad(values: torch.Tensor, length: int, fill: int) -> torch.Tensor:
@@ -50,15 +58,19 @@ def _pad(values: torch.Tensor, length: int, fill: int) -> torch.Tensor:
     return out
 
 
-def _batch(prompt_ids: torch.Tensor, samples: torch.Tensor, prompts: PromptKV, rows: SampleKV, n: int,
-           seeds: torch.Tensor, lengths: torch.Tensor) -> _Batch:
-    padded = rows.keys[0].shape[0]
+def _batch(prompt_ids: torch.Tensor, samples: torch.Tensor, prompts: PromptKV, own: SampleKV, n: int,
+           lengths: torch.Tensor) -> _Batch:
+    padded = max(samples.shape[0], MIN_ROWS)
     slot_of_row = torch.searchsorted(prompt_ids, samples // n) * n + samples % n
-    slot_rows = torch.zeros(prompt_ids.shape[0] * n, dtype=torch.int64)
-    slot_rows[slot_of_row] = torch.arange(samples.shape[0])
-    layout = DecodeLayout(n=n, slot_rows=slot_rows, row_slots=_pad(slot_of_row, padded, 0))
+    slots = prompt_ids.shape[0] * n
+    if padded == slots and samples.shape[0] == slots:  # every slot live, in order: rows are the slots
+        layout = DecodeLayout(n=n, slot_rows=None, row_slots=None)
+    else:
+        slot_rows = torch.zeros(slots, dtype=torch.int64)
+        slot_rows[slot_of_row] = torch.arange(samples.shape[0])
+        layout = DecodeLayout(n=n, slot_rows=slot_rows, row_slots=_pad(slot_of_row, padded, 0))
     return _Batch(prompt_ids=prompt_ids, samples=samples, alive=torch.ones(samples.shape[0], dtype=torch.bool),
-                  prompts=prompts, rows=rows, layout=layout, seeds=_pad(seeds[samples], padded, 0),
+                  prompts=prompts, own=own, layout=layout, row_samples=_pad(samples, padded, 0),
                   prompt_lengths=_pad(lengths[samples // n], padded, 0))
 
 
@@ -70,14 +82,15 @@ def _should_compact(batch: _Batch, n: int) -> bool:
     return 4 * (batch.prompt_ids.shape[0] - running) >= batch.prompt_ids.shape[0]
 
 
-def _compact(batch: _Batch, n: int, seeds: torch.Tensor, lengths: torch.Tensor) -> tuple[_Batch, torch.Tensor]:
+def _compact(batch: _Batch, n: int, lengths: torch.Tensor) -> tuple[_Batch, torch.Tensor]:
     """Drop dead rows and finished prompts; returns the new batch and the old row of each new row."""
     keep = batch.alive.nonzero()[:, 0]
     samples = batch.samples[keep]
     prompt_ids = torch.unique(samples // n)
     old_rows = _pad(keep, max(keep.shape[0], MIN_ROWS), int(keep[0]))  # padding rows copy a live row: finite
-    prompts = batch.prompts.select(torch.searchsorted(batch.prompt_ids, prompt_ids))
-    return _batch(prompt_ids, samples, prompts, batch.rows.select(old_rows), n, seeds, lengths), old_rows
+    running = torch.searchsorted(batch.prompt_ids, prompt_ids)
+    new = _batch(prompt_ids, samples, batch.prompts.select(running), batch.own.select(running), n, lengths)
+    return new, old_rows
 
 
 def generate_group(runner: PackedCausalLM, rope: Rope, prompts: list[list[int]], sampling: SamplingParams,
@@ -96,14 +109,15 @@ def generate_group(runner: PackedCausalLM, rope: Rope, prompts: list[list[int]],
     stopped = torch.zeros(count, dtype=torch.bool)
 
     samples = torch.arange(count)
-    rows = runner.allocate_samples(max(count, MIN_ROWS), max(1, max_new - 1))
-    batch = _batch(torch.arange(len(prompts)), samples, prompt_kv, rows, n, all_seeds, all_lengths)
+    own = runner.allocate_samples(len(prompts), n, max(1, max_new - 1))
+    batch = _batch(torch.arange(len(prompts)), samples, prompt_kv, own, n, all_lengths)
+    live, live_samples = batch.live_rows()
     logits = prompt_logits[_pad(samples // n, batch.padded_rows, 0)]
     for position in range(max_new):
         with torch._C.DisableTorchFunction():  # CPU tensors only (see PackedCausalLM.prefill)
-            tokens, log_probs = choose_tokens(logits, sampling, counter_uniforms(batch.seeds, position))
-            live = batch.alive.nonzero()[:, 0]
-            live_samples = batch.samples[live]
+            if position % UNIFORM_BLOCK == 0:  # [samples, UNIFORM_BLOCK]: the next positions' random numbers
+                uniforms = counter_uniforms(all_seeds[:, None], torch.arange(position, position + UNIFORM_BLOCK))
+            tokens, log_probs = choose_tokens(logits, sampling, uniforms[batch.row_samples, position % UNIFORM_BLOCK])
             tokens_out[live_samples, position] = tokens[live]
             log_probs_out[live_samples, position] = log_probs[live]
             if position == max_new - 1:
@@ -117,9 +131,10 @@ def generate_group(runner: PackedCausalLM, rope: Rope, prompts: list[list[int]],
                     if not bool(batch.alive.any()):
                         break
                     if _should_compact(batch, n):
-                        batch, old_rows = _compact(batch, n, all_seeds, all_lengths)
+                        batch, old_rows = _compact(batch, n, all_lengths)
                         tokens = tokens[old_rows]
-        logits = runner.decode(tokens, batch.prompt_lengths + position, batch.prompts, batch.rows, position,
+                    live, live_samples = batch.live_rows()
+        logits = runner.decode(tokens, batch.prompt_lengths + position, batch.prompts, batch.own, position,
                                batch.layout, rope)
     token_lists, log_prob_lists = tokens_out.tolist(), log_probs_out.tolist()
     return [(tokens[:length], log_probs[:length], "stop" if stop_hit else "length")

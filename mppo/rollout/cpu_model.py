@@ -33,7 +33,6 @@ from mppo.rollout.cpu_attention import (
     SampleKV,
     decode_attention,
     prefill_attention,
-    round_up,
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -101,8 +100,8 @@ class Rope:
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
+        # roll by half a head = cat(x2, x1): pure data movement
+        return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention:
@@ -125,7 +124,9 @@ class Attention:
         v = F.linear(x, *self.v).view(rows, -1, self.head_dim)
         if self.q_norm is not None:  # Qwen3 normalises q and k per head before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        return Rope.apply(q, *cos_sin), Rope.apply(k, *cos_sin), v
+        heads = q.shape[1]
+        qk = Rope.apply(torch.cat((q, k), dim=1), *cos_sin)  # one RoPE for the query and key heads
+        return qk[:, :heads], qk[:, heads:], v
 
     def prefill(self, x, cos_sin, layer: int, cache: PromptKV, starts: list[int]) -> torch.Tensor:
         q, k, v = self._project(x, cos_sin)
@@ -134,9 +135,9 @@ class Attention:
 
     def decode(self, x, cos_sin, layer: int, prompts: PromptKV, samples: SampleKV, step: int,
                layout: DecodeLayout) -> torch.Tensor:
-        q, k, v = self._project(x, cos_sin)
-        out = decode_attention(q, k, v, self.scale, prompts, samples, layer, step, layout)
-        return F.linear(out.view(x.shape[0], -1), *self.o)
+        q, k, v = (layout.to_slots(t) for t in self._project(x, cos_sin))  # batch rows -> attention slots
+        out = layout.to_rows(decode_attention(q, k, v, self.scale, prompts, samples, layer, step, layout.n))
+        return F.linear(out.reshape(x.shape[0], -1), *self.o)
 
 
 class DecoderLayer:
@@ -171,8 +172,8 @@ class PackedCausalLM:
     def allocate_prompts(self, lengths: list[int]) -> PromptKV:
         return PromptKV.allocate(lengths, len(self.layers), self.kv_heads, self.head_dim, self.dtype)
 
-    def allocate_samples(self, rows: int, capacity: int) -> SampleKV:
-        return SampleKV.allocate(rows, capacity, len(self.layers), self.kv_heads, self.head_dim, self.dtype)
+    def allocate_samples(self, prompts: int, n: int, capacity: int) -> SampleKV:
+        return SampleKV.allocate(prompts, n, capacity, len(self.layers), self.kv_heads, self.head_dim, self.dtype)
 
     def rope(self, max_positions: int) -> Rope:
         """RoPE for positions 0..max_positions-1 (read-only: workers share it)."""

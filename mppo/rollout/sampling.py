@@ -2,8 +2,8 @@
 
 Randomness: one uniform per (sample, token position), u = the (position + 1)-th output of SplitMix64 started at
 the sample's seed (mppo.rollout.seeding), i.e. mix(seed + (position + 1) * golden_gamma). It is a pure function of
-(sample seed, position), computed for all rows of a step with a few int64 tensor ops (no generator objects, no
-Python per row): a sample's draws never depend on which other samples share the batch, how many steps ran
+(sample seed, position), computed for all samples and a block of positions at once with a few int64 tensor ops
+(no generator objects, no Python per row): a sample's draws never depend on which other samples share the batch, how many steps ran
 before, or which rank generates it, and a resumed run draws exactly what the uninterrupted one would have.
 
 Sampling: token = the first index whose cumulative (float64) probability under the filtered distribution
