@@ -1,7 +1,10 @@
 """The CPU rollout engine against an independent HF transformers model (weights, log-probs, greedy, seeding)."""
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -292,6 +295,37 @@ def test_bitwise_invariance_with_long_prompts_stops_compaction_and_threads(model
             assert got[key].token_ids == reference.token_ids, (label, key)
             assert got[key].log_probs == reference.log_probs, (label, key)  # bitwise
             assert got[key].finish_reason == reference.finish_reason, (label, key)
+
+
+WORKER_THREADS_SCRIPT = """
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+from mppo.rollout import SamplingParams, cpu_decode
+from mppo.rollout.cpu_engine import CPURolloutEngine
+
+seen = []
+real = cpu_decode.generate_group
+cpu_decode.generate_group = lambda *a: seen.append(torch.get_num_threads()) or real(*a)
+config = Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1)
+engine = CPURolloutEngine(config)
+engine.update_weights(AutoModelForCausalLM.from_config(config).state_dict().items())
+torch.set_num_threads(2)
+for prompts in ([[1, 2, 3]], [[1, 2], [3, 4, 5], [6]]):
+    engine.generate(prompts, SamplingParams(n=2, max_new_tokens=3), step=0)
+print(seen, torch.get_num_threads())
+"""
+
+
+def test_generation_workers_run_single_threaded_kernels(tmp_path):
+    """With k torch threads the engine runs k workers, each with ONE-threaded kernels (multi-threaded kernels
+    break bitwise invariance), also in threads that start with OpenMP's default of all cores, and also when
+    there is a single prompt (one worker)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run([sys.executable, "-c", WORKER_THREADS_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[-2] == "[1, 1, 1] 2"  # 1 worker, then 2; the caller's setting is restored
 
 
 def test_seeds_steps_and_samples_give_different_rollouts(source, prompts):

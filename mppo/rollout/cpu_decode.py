@@ -146,9 +146,8 @@ def generate(runner: PackedCausalLM, prompts: list[list[int]], sampling: Samplin
              stop_ids: tuple[int, ...]) -> list[Result]:
     """generate_group over all prompts, split over one worker per torch intra-op thread (module docstring)."""
     rope = runner.rope(max(len(p) for p in prompts) + sampling.max_new_tokens)
-    workers = min(torch.get_num_threads(), len(prompts))
-    if workers == 1:
-        return generate_group(runner, rope, prompts, sampling, seeds, stop_ids)
+    threads = torch.get_num_threads()
+    workers = min(threads, len(prompts))
     bounds = [len(prompts) * i // workers for i in range(workers + 1)]
     n = sampling.n
     results: list[list[Result] | None] = [None] * workers
@@ -157,17 +156,18 @@ def generate(runner: PackedCausalLM, prompts: list[list[int]], sampling: Samplin
     def work(index: int) -> None:
         lo, hi = bounds[index], bounds[index + 1]
         try:
+            # single-threaded kernels in every worker; OpenMP's thread count is per calling thread, and a new
+            # thread starts from OMP_NUM_THREADS (or all cores)
+            torch.set_num_threads(1)
             results[index] = generate_group(runner, rope, prompts[lo:hi], sampling, seeds[lo * n : hi * n], stop_ids)
         except BaseException as exc:  # re-raised in the calling thread
             errors.append(exc)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # workers read it when their first torch op starts (per-thread OpenMP setting)
     try:
         pool = [threading.Thread(target=work, args=(i,), name=f"mppo-rollout-{i}") for i in range(1, workers)]
         for thread in pool:
             thread.start()
-        work(0)
+        work(0)  # this thread is worker 0
         for thread in pool:
             thread.join()
     finally:
