@@ -36,20 +36,11 @@ def require_triton(device: torch.device) -> None:
 
 
 def logprob_backend(name: str, device: torch.device) -> ModuleType:
-    """The module implementing local_stats/grad_logits_chunk for a fused backend name."""
+    """The module implementing a fused backend's row passes (local_stats/grad_logits_chunk for the log-prob op,
+    block_stats/block_grad for the fused PPO loss)."""
     if name == "torch":
         from . import logprob_torch
         return logprob_torch
     require_triton(device)
     from . import logprob_triton
     return logprob_triton
-
-
-def ppo_loss_backend(name: str, device: torch.device) -> ModuleType:
-    """The module implementing the per-row pass of the fused PPO loss."""
-    if name == "torch":
-        from . import ppo_loss_torch
-        return ppo_loss_torch
-    require_triton(device)
-    from . import ppo_loss_triton
-    return ppo_loss_triton
