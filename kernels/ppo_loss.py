@@ -32,10 +32,11 @@ from . import row_stats
 from .fused_logprob import _Shard, _validate, accumulation_dtype
 from .ppo_token_loss import PPOTokenLoss, token_terms, weighted_sum
 
-# Logits kept per row chunk (fp32 elements). Rows per chunk = this / local vocab: 2^25 (128 MiB) holds ~220 rows
-# of a 151,936 vocabulary. More rows per chunk means fewer passes of d(weight)'s read-modify-write over the whole
-# [V, H] gradient (one per chunk), fewer rows means less memory.
-CHUNK_LOGITS = 1 << 25
+# Logits kept per row chunk (fp32 elements); rows per chunk = this / local vocab, balanced over the chunks. Every
+# chunk's d(weight) matmul reads and writes the whole [V, H] gradient once and has only the chunk's rows as its
+# inner dimension, so more rows per chunk is faster and fewer rows is less memory. CPU: 2^27 (512 MiB, ~880 rows of
+# a 151,936 vocabulary; measured with mppo bench kernels, bench/RESULTS.md); CUDA: 2^25 (128 MiB, ~220 rows).
+CHUNK_LOGITS = {"cpu": 1 << 27, "cuda": 1 << 25}
 # Columns per block inside a chunk on CPU: a block's temporaries stay cache-sized (the log-prob op's 16 MiB).
 # On CUDA one block spans the vocabulary (one matmul each; fewer launches).
 CPU_BLOCK_ELEMENTS = 1 << 22
@@ -46,8 +47,11 @@ STAT_NAMES = ("pg_loss", "entropy_loss", "kl_loss", "pg_clipfrac", "ppo_kl", "pg
 def plan_loss_chunks(n_rows: int, n_cols: int, device: torch.device, chunk_rows: Optional[int],
                      block_cols: Optional[int]) -> tuple[int, int]:
     """(rows per chunk, vocab columns per block)."""
-    rows = chunk_rows if chunk_rows is not None else CHUNK_LOGITS // max(n_cols, 1)
+    budget = CHUNK_LOGITS.get(device.type, CHUNK_LOGITS["cuda"])
+    rows = chunk_rows if chunk_rows is not None else budget // max(n_cols, 1)
     rows = max(1, min(rows, max(n_rows, 1)))
+    chunks = -(-max(n_rows, 1) // rows)
+    rows = -(-max(n_rows, 1) // chunks)  # the same number of rows in every chunk (no small last one)
     if block_cols is None:
         block_cols = n_cols if device.type == "cuda" else max(MIN_BLOCK_COLS, CPU_BLOCK_ELEMENTS // rows)
     return rows, max(1, min(block_cols, max(n_cols, 1)))
@@ -132,7 +136,10 @@ def _run(backend: ModuleType, hidden: torch.Tensor, weight: torch.Tensor, labels
     rows, cols = plan_loss_chunks(n, valid, device, chunk_rows, block_cols)
     results = _TokenResults(n, acc, device, with_kl=spec.kl_loss_coef != 0)
     grad_h = torch.empty(n, h, dtype=dtype, device=device) if need_hidden else None
-    grad_w = torch.zeros_like(weight) if need_weight else None  # vocab padding rows keep 0
+    grad_w = None
+    if need_weight:  # the first chunk writes the valid rows; vocab padding rows stay 0
+        grad_w = torch.empty_like(weight)
+        grad_w[valid:].zero_()
     logits = torch.empty(rows * valid, dtype=acc, device=device)  # one chunk's logits, block after block
     for r0 in range(0, n, rows):
         r1 = min(r0 + rows, n)
@@ -172,7 +179,10 @@ def _run(backend: ModuleType, hidden: torch.Tensor, weight: torch.Tensor, labels
                 else:
                     gh.addmm_(dz, w_c)
             if grad_w is not None:
-                grad_w[c0:c1].addmm_(dz.t(), hidden_r)
+                if r0 == 0:
+                    torch.mm(dz.t(), hidden_r, out=grad_w[c0:c1])
+                else:
+                    grad_w[c0:c1].addmm_(dz.t(), hidden_r)
         if need_hidden and dtype != acc:
             grad_h[r0:r1] = gh
     if grad_h is not None and shard.group is not None:
