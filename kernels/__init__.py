@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import fused_logprob, ppo_loss, reference
-from .backend import BACKENDS, logprob_backend, resolve_backend
+from .backend import BACKENDS, logprob_backend, resolve_backend, token_step_for
 from .ppo_loss import STAT_NAMES, FusedPPOLossOutput
 from .ppo_token_loss import PPOTokenLoss
 
@@ -73,6 +73,7 @@ def fused_linear_ppo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     if name == "naive":
         raise ValueError("fused_linear_ppo_loss has no naive backend: compute log-probs with "
                          "fused_linear_logprob_entropy(backend='naive') and the loss with core_algos")
-    return ppo_loss.fused_ppo_loss(logprob_backend(name, hidden.device), hidden, weight, labels, spec,
+    return ppo_loss.fused_ppo_loss(logprob_backend(name, hidden.device), token_step_for(name, hidden.device),
+                                   hidden, weight, labels, spec,
                                    temperature=temperature, tp_group=tp_group, valid_vocab_size=valid_vocab_size,
                                    chunk_rows=chunk_rows, block_cols=block_cols)

@@ -44,3 +44,13 @@ def logprob_backend(name: str, device: torch.device) -> ModuleType:
     require_triton(device)
     from . import logprob_triton
     return logprob_triton
+
+
+def token_step_for(name: str, device: torch.device):
+    """The fused PPO loss's per-chunk token step for a fused backend name (ppo_token_loss.token_step's contract)."""
+    if name == "torch":
+        from .ppo_token_loss import token_step
+        return token_step
+    require_triton(device)
+    from .ppo_token_triton import token_step as triton_token_step
+    return triton_token_step

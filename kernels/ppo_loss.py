@@ -10,7 +10,9 @@ scales the stored gradients by grad_output, so megatron's pipeline schedules cal
 
 A backend (logprob_torch, logprob_triton) supplies the two row passes over a block of computed logits:
   * `block_stats(z, labels_block)` → (m, s, u, label_logit) per row (row_stats);
-  * `block_grad(z, labels_block, lse, entropy, g_lp, g_ent, out_dtype)` → dL/dz, may overwrite z.
+  * `block_grad(z, labels_block, lse, entropy, g_lp, g_ent, out_dtype)` → dL/dz, may overwrite z;
+and a `token_step` turns a chunk's full-row statistics into its token results and gradient coefficients
+(ppo_token_loss.token_step in torch; ppo_token_triton.token_step, one launch per chunk on the GPU).
 Matmuls run in torch (cuBLAS on GPU) with fp32 logits whatever the input dtype (the log-probs feed an
 importance ratio); d(logits) is cast to the input dtype for the two gradient matmuls, as the log-prob op does.
 
@@ -23,14 +25,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import row_stats
 from .fused_logprob import _Shard, _validate, accumulation_dtype
-from .ppo_token_loss import PPOTokenLoss, token_terms, weighted_sum
+from .ppo_token_loss import PPOTokenLoss, TokenResults
 
 # Logits kept per row chunk (fp32 elements); rows per chunk = this / local vocab, balanced over the chunks. Every
 # chunk's d(weight) matmul reads and writes the whole [V, H] gradient once and has only the chunk's rows as its
@@ -88,45 +90,7 @@ def _logits_into(z: torch.Tensor, hidden_r: torch.Tensor, weight_c: torch.Tensor
         z.mul_(inv_temp)
 
 
-class _TokenResults:
-    """Per-token results of the whole input, filled chunk by chunk, reduced once at the end."""
-
-    def __init__(self, n: int, acc: torch.dtype, device: torch.device, with_kl: bool):
-        new = lambda: torch.zeros(n, dtype=acc, device=device)  # noqa: E731
-        self.log_probs, self.entropy, self.pg = new(), new(), new()
-        self.kl = new() if with_kl else None
-        self.clipped, self.clipped_lower, self.neg_log_ratio = new(), new(), new()
-
-    def store(self, r0: int, r1: int, log_probs, entropy, terms) -> None:
-        self.log_probs[r0:r1], self.entropy[r0:r1], self.pg[r0:r1] = log_probs, entropy, terms.pg
-        if self.kl is not None:
-            self.kl[r0:r1] = terms.kl
-        self.clipped[r0:r1], self.clipped_lower[r0:r1] = terms.clipped, terms.clipped_lower
-        self.neg_log_ratio[r0:r1] = terms.neg_log_ratio
-
-    def finish(self, spec: PPOTokenLoss) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss, stats) in the accumulation dtype."""
-        acc = self.pg.dtype
-        w, mask = spec.weights.to(acc), spec.mask.to(acc)
-        pg_loss = weighted_sum(self.pg, w)
-        entropy_loss = weighted_sum(self.entropy, w)
-        kl_loss = weighted_sum(self.kl, w) if self.kl is not None else torch.zeros_like(pg_loss)
-        loss = pg_loss
-        if spec.entropy_coeff != 0:
-            loss = loss - spec.entropy_coeff * entropy_loss
-        if self.kl is not None:
-            loss = loss + spec.kl_loss_coef * kl_loss
-        tokens = mask.sum() + 1e-8  # veRL's masked_mean
-
-        def masked_mean(values: torch.Tensor) -> torch.Tensor:
-            return weighted_sum(values, mask) / tokens
-
-        stats = torch.stack([pg_loss, entropy_loss, kl_loss, masked_mean(self.clipped),
-                             masked_mean(self.neg_log_ratio), masked_mean(self.clipped_lower)])
-        return loss, stats
-
-
-def _run(backend: ModuleType, hidden: torch.Tensor, weight: torch.Tensor, labels_local: torch.Tensor,
+def _run(backend: ModuleType, token_step: Callable, hidden: torch.Tensor, weight: torch.Tensor, labels_local: torch.Tensor,
          shard: _Shard, inv_temp: float, spec: PPOTokenLoss, chunk_rows: Optional[int], block_cols: Optional[int],
          need_hidden: bool, need_weight: bool):
     """(loss, stats, log_probs, entropy, grad_hidden or None, grad_weight or None)."""
@@ -134,7 +98,8 @@ def _run(backend: ModuleType, hidden: torch.Tensor, weight: torch.Tensor, labels
     dtype, acc, device = hidden.dtype, accumulation_dtype(hidden.dtype), hidden.device
     valid = shard.local_valid if n > 0 else 0
     rows, cols = plan_loss_chunks(n, valid, device, chunk_rows, block_cols)
-    results = _TokenResults(n, acc, device, with_kl=spec.kl_loss_coef != 0)
+    results = TokenResults(n, acc, device, with_kl=spec.kl_loss_coef != 0)
+    spec = spec.to(acc)
     grad_h = torch.empty(n, h, dtype=dtype, device=device) if need_hidden else None
     grad_w = None
     if need_weight:  # the first chunk writes the valid rows; vocab padding rows stay 0
@@ -146,24 +111,23 @@ def _run(backend: ModuleType, hidden: torch.Tensor, weight: torch.Tensor, labels
         count, hidden_r, labels_r = r1 - r0, hidden[r0:r1], labels_local[r0:r1]
         blocks = [(c0, min(c0 + cols, valid)) for c0 in range(0, valid, cols)]
         z_blocks = [logits[count * c0:count * c1].view(count, c1 - c0) for c0, c1 in blocks]
-        m = torch.full((count,), float("-inf"), dtype=acc, device=device)
-        s, u, label_logit = (torch.zeros(count, dtype=acc, device=device) for _ in range(3))
-        for (c0, c1), z in zip(blocks, z_blocks):
+        if valid == 0:  # this rank holds only vocab padding: an empty piece
+            m = torch.full((count,), float("-inf"), dtype=acc, device=device)
+            s, u, label_logit = (torch.zeros(count, dtype=acc, device=device) for _ in range(3))
+        for i, ((c0, c1), z) in enumerate(zip(blocks, z_blocks)):
             _logits_into(z, hidden_r, weight[c0:c1], inv_temp)
-            m_b, s_b, u_b, ll_b = backend.block_stats(z, labels_r - c0)
-            label_logit += ll_b
-            m, s, u = row_stats.merge_stats(m, s, u, m_b, s_b, u_b)
+            stats_b = backend.block_stats(z, labels_r - c0)
+            if i == 0:
+                m, s, u, label_logit = stats_b
+            else:
+                label_logit = label_logit + stats_b[3]
+                m, s, u = row_stats.merge_stats(m, s, u, *stats_b[:3])
         m, s, u, label_logit = row_stats.all_reduce_stats(m, s, u, label_logit, shard.group)
-        log_probs, entropy, lse = row_stats.finalize(m, s, u, label_logit)
-        terms = token_terms(spec, r0, r1, log_probs, entropy)
-        results.store(r0, r1, log_probs, entropy, terms)
+        lse, entropy, g_lp, g_ent = token_step(spec, results, r0, r1, m, s, u, label_logit, inv_temp)
         if not (need_hidden or need_weight) or valid == 0:
             if grad_h is not None:
                 grad_h[r0:r1].zero_()
             continue
-        # d/d(raw logits) = inv_temp · d/d(scaled logits): fold the temperature into the row coefficients
-        g_lp = terms.g_log_prob * inv_temp
-        g_ent = None if terms.g_entropy is None else terms.g_entropy * inv_temp
         # 16-bit: sum the blocks' d(hidden) in fp32, round once
         gh = None
         if need_hidden:
@@ -213,7 +177,7 @@ class _FusedLinearPPOLoss(torch.autograd.Function):
         return grad_h, grad_w, None
 
 
-def fused_ppo_loss(backend: ModuleType, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+def fused_ppo_loss(backend: ModuleType, token_step: Callable, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                    spec: PPOTokenLoss, *, temperature: float, tp_group: Optional[dist.ProcessGroup],
                    valid_vocab_size: Optional[int], chunk_rows: Optional[int], block_cols: Optional[int]
                    ) -> FusedPPOLossOutput:
@@ -232,7 +196,7 @@ def fused_ppo_loss(backend: ModuleType, hidden: torch.Tensor, weight: torch.Tens
     inv_temp = 1.0 / float(temperature)
 
     def call(need_hidden: bool, need_weight: bool):
-        return _run(backend, hidden, weight, labels_local, shard, inv_temp, spec, chunk_rows, block_cols,
+        return _run(backend, token_step, hidden, weight, labels_local, shard, inv_temp, spec, chunk_rows, block_cols,
                     need_hidden, need_weight)
 
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):

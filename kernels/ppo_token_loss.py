@@ -14,12 +14,14 @@ gradient evenly between equal arguments, clamp passes it at the bounds, |x| has 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 from mppo.core_algos import KL_PENALTY_TYPES
+
+from . import row_stats
 
 LOG_RATIO_CLAMP = 20.0  # veRL clamps the PPO log-ratio to ±20 before exp (and ppo_kl uses the clamped value)
 K3_LOG_RATIO_CLAMP = 20.0  # low_var_kl: clamp of ref - logp
@@ -63,6 +65,11 @@ class PPOTokenLoss:
                 raise ValueError(f"kl_loss_type must be one of {list(KL_PENALTY_TYPES)}, got {self.kl_loss_type!r}")
             if self.ref_log_prob is None:
                 raise ValueError("kl_loss_coef != 0 needs ref_log_prob")
+
+    def to(self, dtype: torch.dtype) -> "PPOTokenLoss":
+        """A copy whose per-token tensors are contiguous `dtype` (once per call, not per chunk)."""
+        return replace(self, **{name: getattr(self, name).to(dtype).contiguous() for name in PER_TOKEN_FIELDS
+                                if getattr(self, name) is not None})
 
 
 @dataclass
@@ -140,7 +147,7 @@ def token_terms(spec: PPOTokenLoss, r0: int, r1: int, log_prob: torch.Tensor,
     acc = log_prob.dtype
 
     def rows(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return None if t is None else t[r0:r1].to(acc)
+        return None if t is None else t[r0:r1].to(acc)  # a no-op after PPOTokenLoss.to(acc)
 
     adv, weights = rows(spec.advantages), rows(spec.weights)
     old = log_prob if spec.old_log_prob is None else rows(spec.old_log_prob)
@@ -163,3 +170,54 @@ def weighted_sum(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Σ w·v over tokens with w != 0 (agg_loss's masked_sum: a NaN/inf where the token is out of the loss
     does not leak in)."""
     return torch.where(weights != 0, values * weights, torch.zeros_like(values)).sum()
+
+
+class TokenResults:
+    """Per-token results of the whole input, filled chunk by chunk, reduced once at the end."""
+
+    def __init__(self, n: int, acc: torch.dtype, device: torch.device, with_kl: bool):
+        new = lambda: torch.zeros(n, dtype=acc, device=device)  # noqa: E731
+        self.log_probs, self.entropy, self.pg = new(), new(), new()
+        self.kl = new() if with_kl else None
+        self.clipped, self.clipped_lower, self.neg_log_ratio = new(), new(), new()
+
+    def store(self, r0: int, r1: int, log_probs, entropy, terms: TokenTerms) -> None:
+        self.log_probs[r0:r1], self.entropy[r0:r1], self.pg[r0:r1] = log_probs, entropy, terms.pg
+        if self.kl is not None:
+            self.kl[r0:r1] = terms.kl
+        self.clipped[r0:r1], self.clipped_lower[r0:r1] = terms.clipped, terms.clipped_lower
+        self.neg_log_ratio[r0:r1] = terms.neg_log_ratio
+
+    def finish(self, spec: PPOTokenLoss) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, stats [pg_loss, entropy_loss, kl_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower])."""
+        acc = self.pg.dtype
+        w, mask = spec.weights.to(acc), spec.mask.to(acc)
+        pg_loss = weighted_sum(self.pg, w)
+        entropy_loss = weighted_sum(self.entropy, w)
+        kl_loss = weighted_sum(self.kl, w) if self.kl is not None else torch.zeros_like(pg_loss)
+        loss = pg_loss
+        if spec.entropy_coeff != 0:
+            loss = loss - spec.entropy_coeff * entropy_loss
+        if self.kl is not None:
+            loss = loss + spec.kl_loss_coef * kl_loss
+        tokens = mask.sum() + 1e-8  # veRL's masked_mean
+
+        def masked_mean(values: torch.Tensor) -> torch.Tensor:
+            return weighted_sum(values, mask) / tokens
+
+        stats = torch.stack([pg_loss, entropy_loss, kl_loss, masked_mean(self.clipped),
+                             masked_mean(self.neg_log_ratio), masked_mean(self.clipped_lower)])
+        return loss, stats
+
+
+def token_step(spec: PPOTokenLoss, results: TokenResults, r0: int, r1: int, m: torch.Tensor, s: torch.Tensor,
+               u: torch.Tensor, label_logit: torch.Tensor, inv_temp: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """From the full-row statistics of rows [r0, r1): store their results and return (lse, entropy, g_lp, g_ent)
+    with the gradient coefficients w.r.t. the UNSCALED logits (× 1/temperature). The Triton backend does the
+    same in one launch (ppo_token_triton.token_step)."""
+    log_probs, entropy, lse = row_stats.finalize(m, s, u, label_logit)
+    terms = token_terms(spec, r0, r1, log_probs, entropy)
+    results.store(r0, r1, log_probs, entropy, terms)
+    g_ent = None if terms.g_entropy is None else terms.g_entropy * inv_temp
+    return lse, entropy, terms.g_log_prob * inv_temp, g_ent
