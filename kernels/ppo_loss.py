@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import row_stats
-from .fused_logprob import _Shard, _validate, accumulation_dtype
+from .fused_logprob import _Shard, accumulation_dtype, prepare_inputs
 from .ppo_token_loss import PPOTokenLoss, TokenResults
 
 # Logits kept per row chunk (fp32 elements); rows per chunk = this / local vocab, balanced over the chunks. Every
@@ -78,13 +78,20 @@ class FusedPPOLossOutput:
         return self.stats[STAT_NAMES.index(name)]
 
 
+_MM_OUT_DTYPE = [True]  # flips to False the first time torch.mm(out_dtype=) is missing
+
+
 def _logits_into(z: torch.Tensor, hidden_r: torch.Tensor, weight_c: torch.Tensor, inv_temp: float) -> None:
     """z = (h·Wᵀ)/T in z's (accumulation) dtype without rounding the logits to a 16-bit input dtype."""
     if hidden_r.dtype == z.dtype:
         torch.mm(hidden_r, weight_c.t(), out=z)
-    elif hidden_r.is_cuda:  # 16-bit inputs on tensor cores, fp32 accumulate and output (torch >= 2.8)
-        torch.mm(hidden_r, weight_c.t(), out_dtype=z.dtype, out=z)
-    else:  # CPU has no 16-bit → fp32 matmul: upcast the operands
+    elif hidden_r.is_cuda and _MM_OUT_DTYPE[0]:  # 16-bit on tensor cores, fp32 accumulate and output
+        try:
+            torch.mm(hidden_r, weight_c.t(), out_dtype=z.dtype, out=z)
+        except (TypeError, RuntimeError):  # torch < 2.8 has no mm(out_dtype=)
+            _MM_OUT_DTYPE[0] = False
+            _logits_into(z, hidden_r, weight_c, 1.0)
+    else:  # no 16-bit → fp32 matmul here (CPU, old torch): upcast the operands
         torch.mm(hidden_r.to(z.dtype), weight_c.to(z.dtype).t(), out=z)
     if inv_temp != 1.0:
         z.mul_(inv_temp)
@@ -182,18 +189,13 @@ def fused_ppo_loss(backend: ModuleType, token_step: Callable, hidden: torch.Tens
                    valid_vocab_size: Optional[int], chunk_rows: Optional[int], block_cols: Optional[int]
                    ) -> FusedPPOLossOutput:
     """Run the fused loss with `backend`; see mppo.kernels.fused_linear_ppo_loss for the contract."""
-    _validate(hidden, weight, labels, temperature, None)
-    spec.validate(hidden.shape[0])
     for name, value in (("chunk_rows", chunk_rows), ("block_cols", block_cols)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1 or None, got {value}")
-    shard = _Shard(weight.shape[0], valid_vocab_size, tp_group)
-    if labels.numel() and bool(((labels < 0) | (labels >= shard.valid_vocab)).any()):
-        raise ValueError(f"labels must be global token ids in [0, {shard.valid_vocab}); got min "
-                         f"{int(labels.min())}, max {int(labels.max())}")
-    hidden, weight = hidden.contiguous(), weight.contiguous()
-    labels_local = shard.local_labels(labels)
-    inv_temp = 1.0 / float(temperature)
+    hidden, weight, labels_local, shard, inv_temp = prepare_inputs(hidden, weight, labels, temperature=temperature,
+                                                                   tp_group=tp_group, chunk_size=None,
+                                                                   valid_vocab_size=valid_vocab_size)
+    spec.validate(hidden.shape[0])
 
     def call(need_hidden: bool, need_weight: bool):
         return _run(backend, token_step, hidden, weight, labels_local, shard, inv_temp, spec, chunk_rows, block_cols,

@@ -43,6 +43,30 @@ class GlobalBatchInfo:
         }
 
 
+def _global_tokens(loss_mask: torch.Tensor, batch_num_tokens, dp_size: int, caller: str):
+    """batch_num_tokens, or the local count when it is not given (only valid without DP)."""
+    if batch_num_tokens is None:
+        if dp_size > 1:
+            raise ValueError(
+                f"{caller}('token-mean'): dp_size > 1 needs batch_num_tokens, the number of valid tokens in the "
+                "global batch; a per-rank count would weight ranks unequally."
+            )
+        batch_num_tokens = loss_mask.sum()
+    return batch_num_tokens
+
+
+def _global_seqs(seq_has_tokens: torch.Tensor, global_batch_size, dp_size: int, caller: str, mode: str):
+    """global_batch_size, or the local count of non-empty sequences when it is not given (only valid without DP)."""
+    if global_batch_size is None:
+        if dp_size > 1:
+            raise ValueError(
+                f"{caller}({mode!r}): dp_size > 1 needs global_batch_size, the number of sequences "
+                "with at least one valid token in the global batch."
+            )
+        global_batch_size = seq_has_tokens.sum()
+    return global_batch_size
+
+
 def agg_loss(
     loss_mat: torch.Tensor,
     loss_mask: torch.Tensor,
@@ -72,13 +96,7 @@ def agg_loss(
     (`batch_num_tokens` for token-mean, `global_batch_size` for the seq modes).
     """
     if loss_agg_mode == "token-mean":
-        if batch_num_tokens is None:
-            if dp_size > 1:
-                raise ValueError(
-                    "agg_loss('token-mean'): dp_size > 1 needs batch_num_tokens, the number of valid tokens in the "
-                    "global batch; a per-rank count would weight ranks unequally."
-                )
-            batch_num_tokens = loss_mask.sum()
+        batch_num_tokens = _global_tokens(loss_mask, batch_num_tokens, dp_size, "agg_loss")
         return masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
     if loss_agg_mode == "token-sum":
         return masked_sum(loss_mat, loss_mask) * dp_size
@@ -88,13 +106,7 @@ def agg_loss(
         if loss_agg_mode == "seq-mean-token-mean":
             seq_losses = seq_losses / (tokens_per_seq + 1e-8)
         seq_has_tokens = (tokens_per_seq > 0).float()
-        if global_batch_size is None:
-            if dp_size > 1:
-                raise ValueError(
-                    f"agg_loss({loss_agg_mode!r}): dp_size > 1 needs global_batch_size, the number of sequences "
-                    "with at least one valid token in the global batch."
-                )
-            global_batch_size = seq_has_tokens.sum()
+        global_batch_size = _global_seqs(seq_has_tokens, global_batch_size, dp_size, "agg_loss", loss_agg_mode)
         loss = masked_sum(seq_losses, seq_has_tokens) / global_batch_size * dp_size
         if loss_agg_mode == "seq-mean-token-sum-norm":
             loss = loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
@@ -121,22 +133,15 @@ def agg_token_weights(
     mask = loss_mask.to(torch.promote_types(loss_mask.dtype, torch.float32))
     valid = torch.where(mask != 0, mask, torch.zeros_like(mask))  # masked_sum's where(m != 0) * m
     if loss_agg_mode == "token-mean":
-        if batch_num_tokens is None:
-            if dp_size > 1:
-                raise ValueError("agg_token_weights('token-mean'): dp_size > 1 needs batch_num_tokens, the number "
-                                 "of valid tokens in the global batch.")
-            batch_num_tokens = mask.sum()
+        batch_num_tokens = _global_tokens(mask, batch_num_tokens, dp_size, "agg_token_weights")
         return valid * (dp_size / batch_num_tokens)
     if loss_agg_mode == "token-sum":
         return valid * dp_size
     if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"):
         tokens_per_seq = torch.sum(mask, dim=-1, keepdim=True)
         seq_has_tokens = (tokens_per_seq > 0).to(mask.dtype)
-        if global_batch_size is None:
-            if dp_size > 1:
-                raise ValueError(f"agg_token_weights({loss_agg_mode!r}): dp_size > 1 needs global_batch_size, the "
-                                 "number of sequences with at least one valid token in the global batch.")
-            global_batch_size = seq_has_tokens.sum()
+        global_batch_size = _global_seqs(seq_has_tokens, global_batch_size, dp_size, "agg_token_weights",
+                                         loss_agg_mode)
         weights = mask * seq_has_tokens * (dp_size / global_batch_size)
         if loss_agg_mode == "seq-mean-token-mean":
             weights = weights / (tokens_per_seq + 1e-8)

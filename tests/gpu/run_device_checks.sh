@@ -4,7 +4,8 @@
 # machine cannot reach an index. Results: $OUT/log.txt, $OUT/doctor.json, $OUT/bench_kernels.json,
 # $OUT/reports/*.json (numbers the tests measured).
 #   OUT=/tmp/gpu-out bash tests/gpu/run_device_checks.sh
-# STAGES picks stages (default "doctor tests bench"; also "tune"), GPU_TESTS the pytest targets, BENCH_IMPLS the kernels compared.
+# STAGES picks stages (default "doctor tests bench"; also "tune", "tune-ppo"), GPU_TESTS the pytest targets,
+# BENCH_IMPLS the kernels compared.
 set -u
 OUT="${OUT:-/tmp/mppo-gpu-checks}"
 mkdir -p "$OUT/reports"
@@ -44,10 +45,15 @@ if [[ " $STAGES " == *" tune "* ]]; then
   timeout 120 "$PY" tests/gpu/tune_logprob_triton.py | tee "$OUT/tune_logprob.json"
 fi
 
+if [[ " $STAGES " == *" tune-ppo "* ]]; then
+  stage "fused PPO loss (gradient in the forward): chunk sizes vs Liger, 16384 x 2048"
+  timeout 150 "$PY" tests/gpu/tune_ppo_loss.py | tee "$OUT/tune_ppo_loss.json"
+fi
+
 if [[ " $STAGES " == *" bench "* ]]; then
   stage "kernel benchmark"
-  timeout 110 "$PY" -m mppo bench kernels --device cuda --cases 8192x896,16384x2048 --vocab 151936 \
-    --impls "${BENCH_IMPLS:-naive,torch,triton,liger}" --json "$OUT/bench_kernels.json"
+  timeout 150 "$PY" -m mppo bench kernels --device cuda --cases 8192x896,16384x2048 --vocab 151936 \
+    --impls "${BENCH_IMPLS:-naive,triton,ppo-triton,liger}" --json "$OUT/bench_kernels.json"
   echo "bench rc=$?"
 fi
 stage "done"
