@@ -9,7 +9,10 @@ hidden and the LM head:
   * `ppo-torch`, `ppo-triton`: mppo's fused PPO loss, gradient computed in the forward (6·N·V·H FLOPs) — what
     the actor runs for the loss modes it covers;
   * `liger`: Liger-Kernel's fused linear cross-entropy (CUDA, where installed): Σ log p only, no entropy and no
-    PPO terms (its cost is the same 6·N·V·H matmuls; the baseline for the GPU target).
+    PPO terms (its cost is the same 6·N·V·H matmuls; the baseline for the GPU target);
+  * `liger-grpo`: Liger-Kernel's LigerFusedLinearGRPOLoss (where installed; pure torch, so CPU too): PPO clip +
+    k3 KL (0.001), token-mean ("dapo"), one token per sequence so every token has its own advantage; no entropy
+    bonus and no dual clip. Liger 0.8.5 recomputes each chunk's logits in its backward (8·N·V·H FLOPs).
 `triton`, `ppo-triton` and `liger` need CUDA. The old / reference log-probs the loss needs come from a no-grad
 pass before the measurement (the current log-probs plus noise, so ratios sit around 1 and the clip is active on
 some tokens).
@@ -41,7 +44,8 @@ FULL_CASES = [(1024, 512), (1024, 1024), (4096, 512), (4096, 1024)]
 FULL_VOCAB = 151_936  # Qwen2 / Qwen2.5
 QUICK_CASES = [(256, 64)]
 QUICK_VOCAB = 8192
-IMPLS = ("naive", "torch", "ppo-torch", "triton", "ppo-triton", "liger")
+IMPLS = ("naive", "torch", "ppo-torch", "triton", "ppo-triton", "liger", "liger-grpo")
+OTHER_LOSS = ("liger", "liger-grpo")  # compute a different loss: no loss comparison with naive
 RECOMPUTE_OF = {"ppo-torch": "torch", "ppo-triton": "triton"}  # the reference path each fused loss replaces
 LOSS = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, entropy_coeff=0.01, kl_loss_coef=0.001,
             kl_loss_type="low_var_kl")
@@ -95,6 +99,21 @@ def _impl_fn(impl: str, chunk_rows: Optional[int]):
         def run_liger(hidden, weight, labels, data):
             return loss_fn(weight, hidden, labels)  # −Σ log p only: Liger has no entropy or PPO terms here
         return run_liger
+    if impl == "liger-grpo":
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+        # chunk_size = rows: one chunk of N one-token sequences (Liger chunks over sequences; its log-prob op
+        # chunks rows and vocabulary inside)
+        grpo = LigerFusedLinearGRPOLoss(beta=LOSS["kl_loss_coef"], compiled=False, use_ref_model=True,
+                                        chunk_size=1 << 30, epsilon_low=LOSS["clip_ratio_low"],
+                                        epsilon_high=LOSS["clip_ratio_high"], loss_type="dapo")
+
+        def run_liger_grpo(hidden, weight, labels, data):
+            n = hidden.shape[0]
+            loss, _metrics = grpo(hidden.view(n, 1, -1), weight, labels.view(n, 1), data["mask"].view(n, 1),
+                                  data["adv"], ref_per_token_logps=data["ref"].view(n, 1),
+                                  old_per_token_logps=data["old"].view(n, 1))
+            return loss
+        return run_liger_grpo
     raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
 
 
@@ -151,7 +170,7 @@ def _available(impl: str, device: str) -> Optional[str]:
     """None if `impl` can run on `device`, else the reason it is skipped."""
     if impl in ("triton", "ppo-triton", "liger") and device != "cuda":
         return "GPU only"
-    if impl == "liger":
+    if impl in ("liger", "liger-grpo"):
         try:
             import liger_kernel  # noqa: F401
         except ImportError:
@@ -193,7 +212,7 @@ def _table(results: list[dict], device: str) -> str:
         vs = f"{r[clock] / recompute[clock]:.2f}x" if recompute and recompute[clock] > 0 else "-"
         m_ratio = f"{r['extra_bytes'] / base['extra_bytes']:.3f}x" if base and base["extra_bytes"] > 0 else "-"
         diff = "-"
-        if base and r["impl"] != "liger":  # Liger computes another loss (Σ log p)
+        if base and r["impl"] not in OTHER_LOSS:
             diff = f"{abs(r['loss'] - base['loss']) / max(abs(base['loss']), 1e-12):.1e}"
         lines.append(f"| {r['impl']:<10}| {r['n']:>5} | {r['h']:>5} | {r['time_s']:>8.3f} | {t_ratio:>10} | "
                      f"{r['cpu_s']:>8.2f} | {c_ratio:>9} | {vs:>12} | {r['extra_bytes'] / 2 ** 20:>10.1f} | "

@@ -52,8 +52,8 @@ fi
 
 if [[ " $STAGES " == *" bench "* ]]; then
   stage "kernel benchmark"
-  timeout 150 "$PY" -m mppo bench kernels --device cuda --cases 8192x896,16384x2048 --vocab 151936 \
-    --impls "${BENCH_IMPLS:-naive,triton,ppo-triton,liger}" --json "$OUT/bench_kernels.json"
+  timeout 180 "$PY" -m mppo bench kernels --device cuda --cases 8192x896,16384x2048 --vocab 151936 \
+    --impls "${BENCH_IMPLS:-naive,triton,ppo-triton,liger,liger-grpo}" --json "$OUT/bench_kernels.json"
   echo "bench rc=$?"
 fi
 stage "done"
