@@ -89,6 +89,9 @@ VERL_DEFAULTS = {
     "algorithm.rollout_correction.rollout_rs": None, "algorithm.rollout_correction.rollout_rs_threshold": None,
     "algorithm.rollout_correction.bypass_mode": False, "algorithm.rollout_correction.loss_type": "ppo_clip",
     "algorithm.rollout_correction.rollout_is_batch_normalize": False,
+
+
+    "actor_rollout_ref.rollout.ignore_eos": False,
 }
 
 

@@ -71,8 +71,12 @@ def test_memory_grows_linearly_with_length(runs, phase):
 
 
 def test_local_spec_reference_shows_the_quadratic_scores(runs):
-    """The measurement sees [s, s] scores: megatron's local spec needs several times SDPA's memory already at 2k."""
+    """The measurement sees [s, s] scores: megatron's local spec holds, beyond SDPA, at least one fp32
+    [heads, s, s] matrix per layer for the backward (64 MiB a layer at 2k). The excess is compared, not a ratio:
+    the resident set each process starts from differs by machine and allocator (SDPA at 2k: 31 MB here, 127 MB
+    on CI), the excess does not."""
     local, sdpa = runs["local", 2048], runs["sdpa", 2048]
     assert local["core_attention"] == "DotProductAttention"
-    assert local["update_extra_bytes"] > 4 * sdpa["update_extra_bytes"], (local, sdpa)
+    layers, scores = 2, HEADS * 2048 ** 2 * 4
+    assert local["update_extra_bytes"] - sdpa["update_extra_bytes"] > layers * scores, (local, sdpa)
     assert local["grad_norm"] == pytest.approx(sdpa["grad_norm"], rel=1e-4)

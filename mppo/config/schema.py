@@ -137,6 +137,7 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature; also divides the logits of every log-prob pass
     top_p: float = 1.0  # nucleus sampling mass
     top_k: int = -1  # top-k cut; -1 disables
+    ignore_eos: bool = False  # never stop at EOS/stop tokens: every response runs to max_response_length (veRL)
     tensor_model_parallel_size: int = 2  # ranks per engine (within one node)
     gpu_memory_utilization: float = 0.5  # fraction of GPU memory the engine reserves (SGLang mem_fraction_static)
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # samples per old-log-prob forward; null: actor's micro
