@@ -349,8 +349,13 @@ class PPOTrainer:
 
 
 def _count_parameters(model_chunks, io: ModelParallelIO) -> int:
-    """Parameters of the whole model: this rank's shard summed over its model-parallel group."""
-    local = sum(p.numel() for chunk in model_chunks for p in chunk.parameters())
+    """Parameters of the whole model: this rank's shard summed over its model-parallel group; a MoE model's routed
+    experts (megatron marks them `allreduce=False`) are split over EP ranks outside that group, EP x as many."""
+    from megatron.core import parallel_state as ps
+
+    ep = ps.get_expert_model_parallel_world_size()
+    local = sum(p.numel() * (ep if not getattr(p, "allreduce", True) else 1)
+                for chunk in model_chunks for p in chunk.parameters())
     total = torch.tensor([local], dtype=torch.float64, device=collective_device(io.mp_group))
     if io.mp_group is not None:
         dist.all_reduce(total, group=io.mp_group)
