@@ -7,7 +7,10 @@ Why it is inert: with attention_backend=torch_native and sampling_backend=pytorc
 passes), a dense Llama/Qwen2 model at tp 1 runs on torch ops only: attention is torch's scaled_dot_product_attention,
 sampling is torch.softmax/multinomial, RMSNorm/SiLU/rotary take their torch-native forward on CPU. Every name
 exists so the imports succeed; calling any of them raises NotImplementedError, so a path that did need a kernel
-would fail loudly rather than compute something else. tests/test_rollout_sglang_cpu.py runs the real engine with it.
+would fail loudly rather than compute something else. SGLang's own CPU kernels (Intel AMX) stay off: it enables
+them only when torch.ops.sgl_kernel has `convert_weight_packed`, an op this Python stand-in does not register. On
+ARM64 hosts SGLang calls torch.ops.sgl_kernel.init_cpu_threads_env unconditionally, so this tier is x86-64 only.
+tests/test_rollout_sglang_cpu.py and tests/test_trainer_sglang.py run the real engine with it.
 """
 import importlib.abc
 import importlib.machinery
