@@ -22,10 +22,11 @@ def dense_reward(root: Path) -> list[str]:
 
 
 def make_assets(root: Path, *, train_size: int = 64, test_size: int = 16, hidden: int = 32,
-                layers: int = 2) -> Path:
-    """Write root/data/{train,test}.parquet and root/model (HF Qwen2 + tokenizer); return root."""
+                layers: int = 2, arch: str = "qwen2") -> Path:
+    """Write root/data/{train,test}.parquet and root/model (a random HF Qwen2, or Llama with arch="llama", and a
+    tokenizer); return root."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from mppo.data import build_local_tokenizer, write_task
 
@@ -35,11 +36,12 @@ def make_assets(root: Path, *, train_size: int = 64, test_size: int = 16, hidden
     texts = [r["prompt"][0]["content"] for r in rows] + [str(r["extra_info"]["solution"]) for r in rows]
     tokenizer = build_local_tokenizer(texts, 320, root / "model")
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    Qwen2ForCausalLM(config).save_pretrained(root / "model", safe_serialization=True)
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
+    config = config_cls(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    model_cls(config).save_pretrained(root / "model", safe_serialization=True)
     (root / "dense_reward.py").write_text(DENSE_REWARD_FN)
     return root
 
