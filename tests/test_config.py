@@ -84,6 +84,10 @@ VERL_DEFAULTS = {
     "trainer.total_epochs": 30, "trainer.total_training_steps": None, "trainer.save_freq": -1,
     "trainer.test_freq": -1, "trainer.val_before_train": True, "trainer.critic_warmup": 0, "trainer.nnodes": 1,
     "trainer.n_gpus_per_node": 8, "trainer.resume_mode": "auto", "trainer.max_ckpt_to_keep": None,
+    "algorithm.rollout_correction.rollout_is": None, "algorithm.rollout_correction.rollout_is_threshold": 2.0,
+    "algorithm.rollout_correction.rollout_rs": None, "algorithm.rollout_correction.rollout_rs_threshold": None,
+    "algorithm.rollout_correction.bypass_mode": False, "algorithm.rollout_correction.loss_type": "ppo_clip",
+    "algorithm.rollout_correction.rollout_is_batch_normalize": False,
 }
 
 
@@ -405,11 +409,56 @@ def test_other_algorithm_errors():
                                                        "trainer.device=cpu")
 
 
+RC = "algorithm.rollout_correction"
+
+
+def test_rollout_correction_settings_parse():
+    cfg = load(f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=0.5_5.0", f"{RC}.rollout_rs=token_k1,seq_mean_k3",
+               f"{RC}.rollout_rs_threshold=0.5_2.0,0.01", f"{RC}.rollout_is_batch_normalize=true")
+    rc = cfg.algorithm.rollout_correction
+    assert (rc.rollout_is, rc.rollout_is_threshold, rc.rollout_rs) == ("token", "0.5_5.0", "token_k1,seq_mean_k3")
+    assert rc.rollout_rs_threshold == "0.5_2.0,0.01" and rc.rollout_is_batch_normalize is True
+    # a number is a number (an integer too), and YAML 1.1's digit separators do not eat the '_' of bounds
+    assert load(f"{RC}.rollout_is_threshold=3").algorithm.rollout_correction.rollout_is_threshold == 3.0
+    assert load(f"{RC}.rollout_rs=seq_sum_k2", f"{RC}.rollout_rs_threshold=2").algorithm.rollout_correction \
+        .rollout_rs_threshold == 2.0
+
+
+def test_rollout_correction_in_a_file_keeps_its_bounds(tmp_path):
+    path = write(tmp_path, "algorithm:\n  rollout_correction:\n    rollout_is: sequence\n"
+                           "    rollout_is_threshold: 5_10\n")
+    assert load(path=path).algorithm.rollout_correction.rollout_is_threshold == "5_10"  # IcePop [5, 10], not 510
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ([f"{RC}.rollout_is=tokens"], f"{RC}.rollout_is = 'tokens' is not a known IS level (or null: off) (did you mean "
+                                  "'token'?); choose one of: sequence, token"),
+    ([f"{RC}.loss_type=pg"], f"{RC}.loss_type = 'pg' is not a known bypass-mode loss type; choose one of: ppo_clip, "
+                             "reinforce"),
+    ([f"{RC}.rollout_rs=token_k1,seq_k2", f"{RC}.rollout_rs_threshold=2"],
+     f"{RC}.rollout_rs = 'seq_k2' is not a known rejection criterion (did you mean 'seq_sum_k2'?); choose one of: "
+     "seq_max_k2, seq_max_k3, seq_mean_k1, seq_mean_k2, seq_mean_k3, seq_sum_k1, seq_sum_k2, seq_sum_k3, token_k1, "
+     "token_k2, token_k3"),
+    ([f"{RC}.rollout_is_threshold=abc"], f"{RC}.rollout_is_threshold = 'abc': "),
+    ([f"{RC}.rollout_is_threshold=5_0.5"], "lower bound must be <= upper bound"),
+    ([f"{RC}.rollout_is_threshold=-2"], "must be positive"),
+    ([f"{RC}.rollout_rs=token_k1"], f"{RC}.rollout_rs_threshold = null: rollout_rs = 'token_k1' needs its threshold"),
+    ([f"{RC}.rollout_rs=token_k2", f"{RC}.rollout_rs_threshold=0.5_2"], "must provide a single upper bound"),
+    ([f"{RC}.rollout_rs=token_k1,token_k2", f"{RC}.rollout_rs_threshold=1,2,3"], "exactly 2 thresholds"),
+    ([f"{RC}.bypass_mode=true", f"{ACTOR}.policy_loss.loss_mode=gspo"], "loss_mode = 'gspo' would be ignored"),
+    ([f"{RC}.bypass_mode=true", f"{RC}.rollout_is_batch_normalize=true"], "would depend on the micro-batch split"),
+])
+def test_rollout_correction_errors_name_key_and_choices(overrides, expected):
+    assert expected in error_of(*overrides)
+
+
 def test_suspicious_settings_warn():
     with pytest.warns(ConfigWarning, match="the critic would train for nothing"):
         load("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "critic.enable=true")
     with pytest.warns(ConfigWarning, match="identical greedy responses"):
         load("actor_rollout_ref.rollout.val_kwargs.n=4")
+    with pytest.warns(ConfigWarning, match="only applies with algorithm.rollout_correction.bypass_mode=true"):
+        load("algorithm.rollout_correction.loss_type=reinforce")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load()  # the defaults are quiet

@@ -200,7 +200,7 @@ def rank_main(spec_path: str) -> None:
             "score": metrics.get("critic/score/mean"), "padding": padding,
             "actor": {k: metrics[k] for k in ACTOR_KEYS if k in metrics},
             "flops": ppo_step_flops(trainer.num_parameters, int(tokens), use_critic=trainer.use_critic,
-                                    use_ref=trainer.use_ref, old_log_prob_pass=not trainer.reuse_old_log_prob)})
+                                    use_ref=trainer.use_ref, old_log_prob_pass=trainer.old_log_prob_pass)})
     if dist.get_rank() == 0:
         info = {"num_parameters": trainer.num_parameters, "world": trainer.dims.world,
                 "layout": {"tp": trainer.dims.tp, "pp": trainer.dims.pp, "dp": trainer.dims.dp},

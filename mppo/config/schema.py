@@ -7,7 +7,7 @@ never contains those nulls. `configs/ppo_trainer.yaml` mirrors these defaults ke
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
 from mppo.errors import UserError
 
@@ -193,6 +193,18 @@ class KLControlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    # veRL 0.9.1 algorithm.rollout_correction: correct for the engine's policy differing from the actor's
+    rollout_is: Optional[str] = None  # IS weights: null (off), token, or sequence (one weight per response)
+    rollout_is_threshold: Union[str, float] = 2.0  # number: TIS upper bound; 'lower_upper' (e.g. '0.5_5.0'): IcePop
+    rollout_is_batch_normalize: bool = False  # divide the IS weights by their global-batch mean
+    rollout_rs: Optional[str] = None  # rejection: comma list of token_k1..3, seq_{sum,mean}_k1..3, seq_max_k2..3
+    rollout_rs_threshold: Optional[Union[str, float]] = None  # one, or one per rollout_rs entry; k1: 'lower_upper'
+    bypass_mode: bool = False  # old log-probs = the engine's (no old-log-prob pass); loss_type picks the loss
+    loss_type: str = "ppo_clip"  # bypass mode: ppo_clip (PPO on pi/pi_rollout) or reinforce (IS-weighted PG)
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"  # core_algos.ADV_ESTIMATOR_REGISTRY: gae, grpo, rloo, reinforce_plus_plus, ...
     gamma: float = 1.0  # discount factor
@@ -201,6 +213,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False  # subtract kl_ctrl.kl_coef * KL(old || ref) from the token rewards
     kl_penalty: str = "kl"  # core_algos.KL_PENALTY_TYPES estimator for the in-reward KL
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)  # in-reward KL coefficient
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)  # TIS/IcePop/rejection
 
 
 # --------------------------------------------------------------------------------------------------------- reward

@@ -244,6 +244,52 @@ def _check_rollout_layout(cfg: MppoConfig) -> None:
                     f"use a divisor of {n_per_node}")
 
 
+# ---------------------------------------------------------------------------------------------- rollout correction
+RC = "algorithm.rollout_correction"
+
+
+def _check_rollout_correction(cfg: MppoConfig) -> None:
+    """Choices and thresholds of algorithm.rollout_correction, parsed by the same code that uses them."""
+    from mppo.core_algos import (  # lazy: core_algos imports torch
+        ROLLOUT_IS_LEVELS, ROLLOUT_LOSS_TYPES, ROLLOUT_RS_OPTIONS, parse_rollout_is_threshold,
+        parse_rollout_rs_thresholds)
+
+    rc, loss_mode = cfg.algorithm.rollout_correction, cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+    if rc.rollout_is is not None:
+        _check_choice(f"{RC}.rollout_is", rc.rollout_is, ROLLOUT_IS_LEVELS, "IS level (or null: off)")
+    _check_choice(f"{RC}.loss_type", rc.loss_type, ROLLOUT_LOSS_TYPES, "bypass-mode loss type")
+    try:
+        parse_rollout_is_threshold(rc.rollout_is_threshold)
+    except (TypeError, ValueError) as err:
+        raise _fail(f"{RC}.rollout_is_threshold", rc.rollout_is_threshold, str(err).rstrip("."),
+                    "give a number (TIS upper bound, e.g. 2.0) or 'lower_upper' (IcePop, e.g. '0.5_5.0')") from None
+    if rc.rollout_rs is not None:
+        options = [o.strip() for o in rc.rollout_rs.split(",") if o.strip()]
+        if not options:
+            raise _fail(f"{RC}.rollout_rs", rc.rollout_rs, "names no criterion", "use null (off) or e.g. 'seq_mean_k3'")
+        _check_choice(f"{RC}.rollout_rs", options, ROLLOUT_RS_OPTIONS, "rejection criterion")
+        if rc.rollout_rs_threshold is None:
+            raise _fail(f"{RC}.rollout_rs_threshold", None, f"rollout_rs = '{rc.rollout_rs}' needs its threshold",
+                        "set one value, or one per criterion (comma separated; k1 criteria: 'lower_upper')")
+        try:
+            parse_rollout_rs_thresholds(list(dict.fromkeys(options)), rc.rollout_rs_threshold)
+        except (TypeError, ValueError) as err:
+            raise _fail(f"{RC}.rollout_rs_threshold", rc.rollout_rs_threshold, str(err).rstrip("."),
+                        "k2/k3 criteria take one positive bound, k1 ones ratio bounds 'lower_upper' "
+                        "(e.g. '0.5_2.0')") from None
+    if rc.bypass_mode and loss_mode != "vanilla":
+        raise _fail(f"{RC}.bypass_mode", True, f"bypass mode has its own loss ({RC}.loss_type), so "
+                    f"actor.policy_loss.loss_mode = '{loss_mode}' would be ignored",
+                    "set actor_rollout_ref.actor.policy_loss.loss_mode=vanilla, or bypass_mode=false")
+    if rc.bypass_mode and rc.rollout_is_batch_normalize:
+        raise _fail(f"{RC}.rollout_is_batch_normalize", True, "bypass mode computes the IS weights inside each "
+                    "micro-batch's loss, where a batch mean would depend on the micro-batch split",
+                    "set it to false, or bypass_mode=false (then the mean is over the global batch)")
+    if not rc.bypass_mode and rc.loss_type != "ppo_clip":
+        warnings.warn(f"{RC}.loss_type = '{rc.loss_type}' only applies with {RC}.bypass_mode=true; the actor uses "
+                      "actor.policy_loss.loss_mode", ConfigWarning, 3)
+
+
 # ------------------------------------------------------------------------------------------------------ public API
 def validate(cfg: MppoConfig, world_size: int | None = None) -> None:
     """Raise ConfigError for the first problem found; warn (ConfigWarning) for legal but suspicious settings.
@@ -255,6 +301,7 @@ def validate(cfg: MppoConfig, world_size: int | None = None) -> None:
     _check_choices(cfg)
     _check_ranges(cfg)
     _check_algorithm(cfg)
+    _check_rollout_correction(cfg)
     world, world_text = _world(cfg, world_size)
     _check_rollout_layout(cfg)
     actor_dp = _data_parallel_size(cfg, ACTOR, world, world_text)

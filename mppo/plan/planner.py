@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mppo.config import MppoConfig, get_key, resolve
-from mppo.config.decisions import old_log_prob_reuse
+from mppo.config.decisions import old_log_prob_pass
 from mppo.models.hf_config import HFModelArgs
 from mppo.plan import memory as mem
 from mppo.plan.catalog import DEVICES, DeviceSpec, GiB
@@ -351,6 +351,6 @@ def _step_time(cfg: MppoConfig, a: HFModelArgs, layouts: list[mem.RoleLayout], r
     prefill, decode, waves = generation_time(a, work, spec.peak_flops, mfu, spec.hbm_bytes_per_s)
     return StepTime(mfu=mfu, world=world, peak_flops=spec.peak_flops, hbm_bytes_per_s=spec.hbm_bytes_per_s,
                     tokens=tokens, generation_s=prefill + decode, prefill_s=prefill, decode_s=decode,
-                    decode_waves=waves, old_log_prob_s=0.0 if old_log_prob_reuse(cfg)[0] else times["actor"],
+                    decode_waves=waves, old_log_prob_s=times["actor"] if old_log_prob_pass(cfg) else 0.0,
                     ref_s=times["ref"], values_s=times["critic"],
                     update_critic_s=times["update_critic"], update_actor_s=times["update_actor"])
