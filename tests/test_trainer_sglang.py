@@ -70,7 +70,7 @@ def test_ppo_and_grpo_train_three_steps_on_the_engines_weights(launch):
             m = metrics[step]
             assert m["actor/grad_norm"] > 0 and m["response_length/mean"] > 0, (name, step)
             assert ("critic/vf_loss" in m) == name.endswith("ppo"), (name, step)
-            # veRL's mismatch metric, logged by the trainer (rollout correction, branch h13c)
+            # veRL's mismatch metric, as the trainer logs it
             assert m["training/rollout_probs_diff_max"] < 1e-3, (name, step)
         assert "val/test_score/countdown" in metrics["0"]
 
