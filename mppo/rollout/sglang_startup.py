@@ -13,6 +13,10 @@ scheduler's own torch.distributed init (a group of the engine's TP ranks on a tc
 turns into a client of torchrun's agent store and waits forever for a server that is never there. So the launcher's
 variables are hidden from them while the engine starts (`LAUNCHER_ENV`), and restored for the trainer afterwards.
 
+A failed start leaves SGLang's ZeroMQ context behind, with sockets to processes that are gone: when the garbage
+collector finalizes it (at the next collection, or at exit), zmq_ctx_term waits forever for their messages to be
+delivered. The contexts created by a failed start are destroyed at once, with linger 0.
+
 SGLang also picks its ports with Python's `random`, which mppo seeds alike on every rank: engines starting at once
 on one host would pick the same port (EADDRINUSE). The start runs on a fresh `random` state (from os.urandom),
 and the trainer's state is restored afterwards, so starting an engine does not move the trainer's random stream.
@@ -20,6 +24,7 @@ and the trainer's state is restored afterwards, so starting an engine does not m
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import random
 import re
@@ -55,6 +60,7 @@ def start_engine(engine_cls: Callable[..., Any], server_args: dict[str, Any], *,
     import psutil
 
     before = {child.pid for child in psutil.Process().children(recursive=True)}
+    contexts_before = {id(ctx) for ctx in _zmq_contexts()}
     previous_handler = signal.getsignal(signal.SIGQUIT)
     args = {**server_args, "custom_sigquit_handler": _raise_child_failed}
     spawn_env = contextlib.nullcontext()
@@ -75,6 +81,9 @@ def start_engine(engine_cls: Callable[..., Any], server_args: dict[str, Any], *,
         finally:
             if error is not None:
                 _kill_new_children(before)
+                for ctx in _zmq_contexts():
+                    if id(ctx) not in contexts_before and not ctx.closed:
+                        ctx.destroy(linger=0)
                 signal.signal(signal.SIGQUIT, previous_handler)
     detail = _last_exception_line(log_path) if log_path is not None else None
     if detail and error == "its scheduler process failed":
@@ -149,6 +158,14 @@ def _kill_new_children(before: set[int]) -> None:
         with contextlib.suppress(psutil.Error):
             child.send_signal(signal.SIGKILL)
     psutil.wait_procs(started, timeout=10)  # reap them (no zombies)
+
+
+def _zmq_contexts() -> list:
+    """Every live ZeroMQ context of this process (SGLang's engine makes its own; see the module docstring)."""
+    import zmq
+
+    # type(), not isinstance(): the latter reads __class__, which some module proxies answer with a warning
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), zmq.Context)]
 
 
 def _last_exception_line(log_path: Path) -> str | None:
