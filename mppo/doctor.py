@@ -5,8 +5,8 @@ interpreter on import when CUDA libraries are missing), so one broken package ca
 GPU, three few-second self-tests run, each in a subprocess too: an NCCL all-reduce across the local GPUs, a
 Transformer Engine RMSNorm+Linear forward against torch, and the Triton fused log-prob kernel against its torch
 implementation. With SGLang installed, a real engine round trip runs too, on the GPU or, without one, on SGLang's
-CPU tier (start-up, weight push and read-back, generate; 20-60 s): "SGLang rollout: works" means that passed. Each package and feature gets a verdict line (works / missing package / wrong version / ...)
-with the fix. Exit code 1 when something the core or the given config needs is broken, else 0.
+CPU tier (start-up, weight push and read-back, generate; 20-60 s): "SGLang rollout: works" means that passed.
+Each package and feature gets a verdict line (works / missing package / wrong version / ...) with the fix. Exit code 1 when something the core or the given config needs is broken, else 0.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dist_util import REPO, run_torchrun
-from e2e_assets import dense_reward, make_assets, tiny_overrides
+from e2e_assets import dense_reward, make_assets, step_metrics, tiny_overrides
 
 SGLANG = ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
           "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=true"]
@@ -42,9 +42,12 @@ def launch(tmp_path_factory) -> list[dict]:
         "dp2_grpo": tiny_overrides(assets, runs / "dp2_grpo", world=2, steps=3, estimator="grpo", n=4)
         + common + ["critic.enable=false"],
     }
-    return run_torchrun(REPO / "tests" / "dist" / "trainer_sglang.py", 2, root / "out",
-                        ["--config", str(REPO / "configs" / "demo_cpu.yaml"), "--cases", json.dumps(cases)],
-                        timeout=1500)
+    ranks = run_torchrun(REPO / "tests" / "dist" / "trainer_sglang.py", 2, root / "out",
+                         ["--config", str(REPO / "configs" / "demo_cpu.yaml"), "--cases", json.dumps(cases)],
+                         timeout=1500)
+    for name in cases:
+        ranks[0][name]["metrics"] = step_metrics(runs / name)
+    return ranks
 
 
 CASES = ("tp2_ppo", "tp2_grpo", "dp2_ppo", "dp2_grpo")
@@ -65,14 +68,14 @@ def test_ppo_and_grpo_train_three_steps_on_the_engines_weights(launch):
             diffs = r[name]["rollout_probs_diff_max"]
             assert len(diffs) == 3 and max(diffs) < 1e-3, (name, diffs)
         metrics = main[name]["metrics"]
-        assert sorted(map(int, metrics)) == [0, 1, 2, 3], name
-        for step in ("1", "2", "3"):
+        assert sorted(metrics) == [0, 1, 2, 3], name
+        for step in (1, 2, 3):
             m = metrics[step]
             assert m["actor/grad_norm"] > 0 and m["response_length/mean"] > 0, (name, step)
             assert ("critic/vf_loss" in m) == name.endswith("ppo"), (name, step)
             # veRL's mismatch metric, as the trainer logs it
             assert m["training/rollout_probs_diff_max"] < 1e-3, (name, step)
-        assert "val/test_score/countdown" in metrics["0"]
+        assert "val/test_score/countdown" in metrics[0]
 
 
 def test_engine_weights_equal_the_exporters_bitwise(launch):
@@ -123,3 +126,40 @@ def test_trainer_state_offload_frees_and_restores_bitwise(launch):
         off = r["dp2_ppo"]["offload"]
         assert off["device_bytes_offloaded"] and all(b == 0 for b in off["device_bytes_offloaded"]), off
         assert off["optimizer_tensors"] > 0 and off["bitwise_back"] and off["grads_zero"], off
+
+
+def test_engine_start_failure_is_one_line_and_keeps_the_checkpoint(tmp_path):
+    """A resumed run whose engine cannot start (gpu_memory_utilization too small for SGLang's KV cache: its
+    scheduler process fails) stops with exit code 2 and one error line naming SGLang's failure and its log, with
+    no traceback; the checkpoint the first run wrote is untouched."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    assets = make_assets(tmp_path / "assets", arch="llama")
+    run = tmp_path / "run"
+    base = tiny_overrides(assets, run, world=1, steps=1) + dense_reward(assets) + SGLANG + [
+        "trainer.val_before_train=false"]
+
+    def train(extra: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "mppo", "train", "configs/demo_cpu.yaml", *base, *extra],
+                              cwd=REPO, capture_output=True, text=True, timeout=900,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+
+    def snapshot() -> dict[str, str]:
+        return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted((run / "checkpoints").rglob("*")) if p.is_file()}
+
+    first = train([])
+    assert first.returncode == 0, first.stderr[-4000:]
+    before = snapshot()
+    assert "checkpoints/global_step_1/manifest.json" in before
+    failed = train(["actor_rollout_ref.rollout.gpu_memory_utilization=0.000001"])
+    assert failed.returncode == 2, failed.stderr[-4000:]
+    errors = [ln for ln in failed.stderr.splitlines() if ln.startswith("mppo: error")]
+    assert len(errors) == 1 and "Traceback" not in failed.stderr, failed.stderr[-4000:]
+    assert ("did not start: its scheduler process failed: ValueError: Loaded weights leave no GPU memory for the KV "
+            "cache") in errors[0], errors
+    assert str(run / "rollout" / "sglang_group0.log") in errors[0], errors
+    assert snapshot() == before

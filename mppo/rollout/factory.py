@@ -158,19 +158,22 @@ def _sglang_engine(spec: EngineSpec) -> RolloutEngine:
     cfg, layout = spec.cfg, spec.layout
     rollout = cfg.actor_rollout_ref.rollout
     on_cpu = spec.device.type == "cpu"
-    # On the CPU the KV pool is host memory that SGLang would size from gpu_memory_utilization of ALL of it: cap
-    # it at what a few full-length sequences need (a smaller pool only queues requests, it changes no result).
-    context = cfg.data.max_prompt_length + cfg.data.max_response_length
     first, last = layout.ranks[0], layout.ranks[-1]
-    where = f"rollout group {layout.group_index} (rank{'s' if first != last else ''} {first}"
-    where += f"-{last})" if first != last else ")"
+    name = f"rollout group {layout.group_index} (rank {first})" if first == last else \
+        f"rollout group {layout.group_index} (ranks {first}-{last})"
+    max_total_tokens = base_gpu_id = None
+    if on_cpu:
+        # The KV pool is host memory that SGLang would size from gpu_memory_utilization of ALL of it: cap it at
+        # what a few full-length sequences need (a smaller pool only queues requests, it changes no result).
+        max_total_tokens = max(4096, 8 * (cfg.data.max_prompt_length + cfg.data.max_response_length))
+        # SGLang's "GPU id" on the CPU is the NUMA node its threads bind to: node 0 for every engine
+        base_gpu_id = 0
     return SGLangRolloutEngine(
         cfg.actor_rollout_ref.model.path, gpu_memory_utilization=rollout.gpu_memory_utilization,
-        # on the CPU, SGLang's "GPU id" is the NUMA node its threads bind to: every engine binds to node 0 (this
-        # host's only one, or its first), whatever its rank
-        tp_group=spec.tp_group, dtype=_SGLANG_DTYPES[spec.dtype], base_gpu_id=0 if on_cpu else layout.base_gpu_id,
-        seed=engine_seed(cfg.trainer.seed, layout.group_index), on_cpu=on_cpu, max_total_tokens=max(4096, 8 * context) if on_cpu else None,
-        log_path=spec.log_dir / f"sglang_group{layout.group_index}.log", name=where)
+        tp_group=spec.tp_group, dtype=_SGLANG_DTYPES[spec.dtype],
+        base_gpu_id=layout.base_gpu_id if base_gpu_id is None else base_gpu_id,
+        seed=engine_seed(cfg.trainer.seed, layout.group_index), on_cpu=on_cpu, max_total_tokens=max_total_tokens,
+        log_path=spec.log_dir / f"sglang_group{layout.group_index}.log", name=name)
 
 
 def engine_seed(run_seed: int, group_index: int) -> int:
@@ -310,11 +313,12 @@ def _start_everywhere(start: Callable[[], RolloutEngine], group: Any | None) -> 
         engine = start()
     except Exception as exc:  # noqa: BLE001 - re-raised below, on this rank and (as a summary) on the others
         error = exc
-        log.error("%s", exc)  # now: the other ranks may still be starting theirs
     if group is None:
         if error is not None:
             raise error
         return engine
+    if error is not None:
+        log.error("%s", error)  # at once: the other ranks may still be starting theirs
     failures: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(failures, None if error is None else f"{type(error).__name__}: {error}", group=group)
     if error is not None:

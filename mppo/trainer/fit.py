@@ -407,7 +407,12 @@ _RESUME_FREE = ("trainer.total_epochs", "trainer.total_training_steps", "trainer
                 "trainer.logger", "trainer.max_ckpt_to_keep", "trainer.collective_timeout_s",
                 "trainer.val_before_train", "trainer.project_name", "trainer.experiment_name",
                 "trainer.resume_mode", "trainer.max_consecutive_skips", "trainer.default_local_dir",
-                "data.val_files", "data.val_batch_size", "actor_rollout_ref.actor.reuse_on_policy_log_prob")
+                "data.val_files", "data.val_batch_size", "actor_rollout_ref.actor.reuse_on_policy_log_prob",
+                # where memory goes around the rollout (the engine's share; offloads restore bitwise): what a run
+                # that ran out of memory changes before it resumes
+                "actor_rollout_ref.rollout.gpu_memory_utilization", "actor_rollout_ref.rollout.free_cache_engine",
+                *(f"{role}.megatron.{key}" for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+                  for key in ("param_offload", "optimizer_offload")))
 
 
 def _resume_config(cfg: MppoConfig) -> dict[str, Any]:

@@ -105,8 +105,9 @@ def move_optimizer_state(optimizer, device: torch.device) -> None:
 
 class TrainerStateOffload:
     """What the rollout offloads before the engine's KV cache comes back and reloads after it is released
-    (mppo.rollout.factory.TrainerState). `models`: (role, DDP chunks, optimizer, param_offload, optimizer_offload)
-    for each trained model."""
+    (mppo.rollout.factory.TrainerState). `models`: (role, chunks, optimizer or None, param_offload,
+    optimizer_offload) for each model. `active`: whether offload/reload move anything (False on the CPU, where the
+    state is in host memory already; a test may set it to run the mechanics there)."""
 
     def __init__(self, models: Sequence[tuple[str, Sequence[nn.Module], object, bool, bool]],
                  device: torch.device) -> None:

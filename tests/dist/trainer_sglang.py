@@ -6,8 +6,8 @@ trainer DP2. Each runs `fit()` for 3 steps. Checked along the way, and written t
 - greedy rollouts of the same prompts at trainer TP2 and TP1 x DP2, with the same initial weights (equal);
 - sampled rollouts of the same request twice (SGLang's CPU tier ignores sampling_seed: they differ);
 - the engine's weights after a push against the exporter's HF tensors, every tensor (bitwise);
-- per step, the rollout's and the actor's token probabilities (veRL's rollout_probs_diff_max) and the trainer's
-  metrics;
+- per step, the rollout's and the actor's token probabilities (veRL's rollout_probs_diff_max; the trainer's
+  metrics.jsonl has its own);
 - the SGLang calls and trainer-state offload calls of every phase, in order (the memory choreography);
 - trainer-state offload + reload on the CPU (forced on: the trainer skips it there): storage freed, then every
   parameter and optimizer tensor bitwise back.
@@ -107,15 +107,6 @@ def wrap(obj, name: str, before) -> None:
     setattr(obj, name, wrapped)
 
 
-def step_metrics(run_dir: Path) -> dict[int, dict]:
-    merged: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            merged.setdefault(row["step"], {}).update(row)
-    return merged
-
-
 def offload_round_trip(trainer) -> dict:
     """The trainer's offload mechanics on the CPU, forced on: storage freed, then the parameters and optimizer
     state bitwise back and the gradient buffers zeroed (every update zeroes them before use anyway)."""
@@ -130,7 +121,8 @@ def offload_round_trip(trainer) -> dict:
     state.offload()
     freed = [p.device_bytes() for p in state._params]
     state.reload()
-    return {"device_bytes_offloaded": freed, "optimizer_tensors": len(list(_optimizer_tensors(trainer.actor.optimizer))),
+    optimizer_tensors = len(list(_optimizer_tensors(trainer.actor.optimizer)))
+    return {"device_bytes_offloaded": freed, "optimizer_tensors": optimizer_tensors,
             "bitwise_back": all(torch.equal(a, b.detach()) for a, b in zip(before, kept)),
             "grads_zero": all(bool((g == 0).all()) for g in grads) and len(grads) > 0}
 
@@ -170,7 +162,6 @@ def main() -> None:
         case.update(spy(trainer, events))
         trainer.fit()
         case["events"] = list(events)
-        case["metrics"] = step_metrics(Path(cfg.trainer.default_local_dir)) if trainer.is_main else {}
         case["weights"] = weights_vs_exporter(trainer)
         if trainer.trainer_state.roles:
             case["offload"] = offload_round_trip(trainer)
