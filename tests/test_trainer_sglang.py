@@ -86,6 +86,13 @@ def test_engine_weights_equal_the_exporters_bitwise(launch):
             assert w["compared"] == 3 + 2 * 9, (name, w)  # embed, norm, head + 9 tensors per layer, 2 layers
 
 
+def test_sglang_on_the_cpu_frees_nothing_on_release(launch):
+    """Pinned limitation (mppo.rollout.sglang_cpu): without torch_memory_saver (CUDA-only) SGLang's
+    release_memory_occupation keeps the weights; on a GPU they are gone until the next push."""
+    for r in launch:
+        assert all(r[name]["weights"]["readable_after_release"] for name in CASES)
+
+
 def test_greedy_rollouts_are_the_same_at_trainer_tp2_and_dp2(launch):
     """Rollout groups do not depend on the trainer's layout: the same prompts and initial weights give the same
     greedy responses at trainer TP2 and TP1 x DP2 (every rank holds all of them)."""

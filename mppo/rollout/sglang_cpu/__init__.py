@@ -13,7 +13,9 @@ tests/test_rollout_sglang_cpu.py, tests/test_trainer_sglang.py):
   Llama/Qwen2 at tp 1, start-up 20-150 s (2 cores, shared); generate with return_logprob (full-vocabulary,
   temperature-scaled log-probs; against an HF fp32 recompute ~1e-6); begin/end_weight_update around
   update_weights_from_tensor(load_format="flattened_bucket"); flush_cache; get_weights_by_name for Llama-family
-  models (bitwise, fp32; sglang's Qwen2ForCausalLM has no get_weights_by_name and returns None).
+  models (bitwise, fp32; sglang's Qwen2ForCausalLM has no get_weights_by_name and returns None); several engines
+  on one host, one per trainer rank (each binds its threads to NUMA node 0: base_gpu_id is that node's index
+  there). x86-64 only: on ARM64 SGLang calls a compiled sgl_kernel op at start-up.
 - accepted, but frees nothing: release/resume_memory_occupation. torch_memory_saver (enable_memory_saver) is a
   CUDA library; with enable_memory_saver=False SGLang uses its no-op adapter, so on the CPU the engine keeps its
   weights and KV cache through training. The calls and their order are still the GPU's.
