@@ -88,6 +88,9 @@ VERL_DEFAULTS = {
     "algorithm.rollout_correction.rollout_rs": None, "algorithm.rollout_correction.rollout_rs_threshold": None,
     "algorithm.rollout_correction.bypass_mode": False, "algorithm.rollout_correction.loss_type": "ppo_clip",
     "algorithm.rollout_correction.rollout_is_batch_normalize": False,
+
+
+    "actor_rollout_ref.rollout.ignore_eos": False,
 }
 
 
@@ -242,7 +245,7 @@ def test_yaml_file_problems(tmp_path):
     ("critic.loss_agg_mode=seq-mean", "critic.loss_agg_mode = 'seq-mean' is not a known loss aggregation mode"),
     (f"{ACTOR}.kl_loss_type=low_var", f"{ACTOR}.kl_loss_type = 'low_var' is not a known KL estimator"),
     ("algorithm.kl_penalty=k4", "algorithm.kl_penalty = 'k4' is not a known KL estimator"),
-    ("actor_rollout_ref.model.transformer_impl=tee", "choose one of: auto, local, te"),
+    ("actor_rollout_ref.model.transformer_impl=tee", "choose one of: auto, local, sdpa, te"),
     ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.name = 'vllm' is not a known value"),
     ("trainer.logger=[console,mlflow]", "trainer.logger = 'mlflow' is not a known value"),
     (f"{ACTOR}.megatron.recompute=some", "choose one of: full, none, selective"),
@@ -450,6 +453,42 @@ def test_rollout_correction_in_a_file_keeps_its_bounds(tmp_path):
 ])
 def test_rollout_correction_errors_name_key_and_choices(overrides, expected):
     assert expected in error_of(*overrides)
+
+
+def _model_dir(tmp_path: Path, name: str, max_positions: int | None) -> Path:
+    import json
+
+    model = tmp_path / name
+    model.mkdir()
+    config = {"model_type": "qwen2", "vocab_size": 100}
+    if max_positions is not None:
+        config["max_position_embeddings"] = max_positions
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def test_sequence_longer_than_the_models_positions(tmp_path):
+    """prompt + response beyond max_position_embeddings: one line naming both keys and the model's limit."""
+    actor = _model_dir(tmp_path, "actor", 8192)
+    message = error_of(f"actor_rollout_ref.model.path={actor}", "data.max_prompt_length=1024",
+                       "data.max_response_length=8192")
+    assert message == (f"data.max_prompt_length + data.max_response_length = 1024 + 8192 = 9216 tokens, more than "
+                       f"the model's max_position_embeddings = 8192 (actor_rollout_ref.model.path={str(actor)!r}); "
+                       "lower data.max_response_length to at most 7168, or use a model with more positions")
+    load(f"actor_rollout_ref.model.path={actor}", "data.max_prompt_length=1024", "data.max_response_length=7168")
+    # a prompt that alone fills the positions
+    assert "lower data.max_prompt_length and data.max_response_length" in error_of(
+        f"actor_rollout_ref.model.path={actor}", "data.max_prompt_length=8192", "data.max_response_length=1")
+    # the critic's own model is checked too; without a critic it is not read
+    critic = _model_dir(tmp_path, "critic", 1024)
+    lengths = ("data.max_prompt_length=512", "data.max_response_length=1024")
+    assert "(critic.model.path=" in error_of(f"actor_rollout_ref.model.path={actor}", f"critic.model.path={critic}",
+                                             "algorithm.adv_estimator=gae", *lengths)
+    load(f"actor_rollout_ref.model.path={actor}", f"critic.model.path={critic}", "algorithm.adv_estimator=grpo",
+         "actor_rollout_ref.rollout.n=2", *lengths)
+    # no config.json or no max_position_embeddings in it: nothing to check here (the model loader reports it)
+    load(f"actor_rollout_ref.model.path={tmp_path / 'missing'}", "data.max_response_length=100000")
+    load(f"actor_rollout_ref.model.path={_model_dir(tmp_path, 'nolimit', None)}", "data.max_response_length=100000")
 
 
 def test_suspicious_settings_warn():

@@ -42,7 +42,9 @@ class ModelConfig:
     path: Optional[str] = None  # HF model directory (config.json + safetensors); required to train
     tokenizer_path: Optional[str] = None  # tokenizer directory; null: model.path
     trust_remote_code: bool = False  # allow custom modelling code shipped with the checkpoint
-    transformer_impl: str = choice("auto", "te", "local")  # layer spec: auto = Transformer Engine if usable on GPU
+    # layer spec: auto = Transformer Engine if usable on GPU, else sdpa (megatron's local layers with fused SDPA
+    # attention); local = megatron's unfused attention (materialises [heads, s, s] scores; a reference)
+    transformer_impl: str = choice("auto", "te", "sdpa", "local")
     dtype: str = choice("auto", "fp32", "bf16")  # parameter dtype; auto = bf16 on cuda, fp32 on cpu
 
 
@@ -135,6 +137,7 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature; also divides the logits of every log-prob pass
     top_p: float = 1.0  # nucleus sampling mass
     top_k: int = -1  # top-k cut; -1 disables
+    ignore_eos: bool = False  # never stop at EOS/stop tokens: every response runs to max_response_length (veRL)
     tensor_model_parallel_size: int = 2  # ranks per engine (within one node)
     gpu_memory_utilization: float = 0.5  # fraction of GPU memory the engine reserves (SGLang mem_fraction_static)
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # samples per old-log-prob forward; null: actor's micro

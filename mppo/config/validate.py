@@ -2,12 +2,15 @@
 
 Each failure is one ConfigError naming the key, what is wrong and how to fix it. Things that are legal but
 almost surely unintended are ConfigWarnings. Whether data files or model directories exist is left to the data
-loader and model builder (they report it with the file name).
+loader and model builder (they report it with the file name); where a model's config.json is there, the
+sequence lengths are checked against its position limit.
 """
 from __future__ import annotations
 
 import difflib
+import json
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from mppo.config.loader import get_key, resolve, schema_leaves, show
@@ -223,7 +226,8 @@ def _check_algorithm(cfg: MppoConfig) -> None:
                     "set trainer.critic_warmup=0")
     if cfg.actor_rollout_ref.model.transformer_impl == "te" and cfg.trainer.device == "cpu":
         raise _fail("actor_rollout_ref.model.transformer_impl", "te", "Transformer Engine needs CUDA but "
-                    "trainer.device = 'cpu'", "use transformer_impl=local (or auto)")
+                    "trainer.device = 'cpu'", "use transformer_impl=auto or sdpa (fused attention on CPU), or "
+                    "transformer_impl=local")
     val = rollout.val_kwargs
     if val.n > 1 and not val.do_sample:
         warnings.warn(f"{ROLLOUT}.val_kwargs.n = {val.n} with do_sample = false gives {val.n} identical greedy "
@@ -290,6 +294,40 @@ def _check_rollout_correction(cfg: MppoConfig) -> None:
                       "actor.policy_loss.loss_mode", ConfigWarning, 3)
 
 
+# ------------------------------------------------------------------------------------------------- model limits
+def _max_positions(model_path: str) -> int | None:
+    """max_position_embeddings from the model's config.json; None when there is none to read (the model loader
+    reports a missing or broken model directory with its own message)."""
+    try:
+        config = json.loads((Path(model_path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    limit = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return limit if isinstance(limit, int) else None
+
+
+def check_model_limits(cfg: MppoConfig) -> None:
+    """A prompt + response sequence must fit the positions of every model that reads it (actor, critic): rotary
+    embeddings beyond max_position_embeddings are outside what the model was trained for, and the CPU engine
+    refuses them mid-run. Models whose config.json is not at hand are skipped."""
+    prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
+    models = [("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path)]
+    if cfg.critic.enable:
+        models.append(("critic.model.path", cfg.critic.model.path))
+    checked = set()
+    for key, path in models:
+        if not path or path in checked:
+            continue
+        checked.add(path)
+        limit = _max_positions(path)
+        if limit is not None and prompt + response > limit:
+            fix = (f"lower data.max_response_length to at most {limit - prompt}" if prompt < limit
+                   else "lower data.max_prompt_length and data.max_response_length")
+            raise ConfigError(f"data.max_prompt_length + data.max_response_length = {prompt} + {response} = "
+                              f"{prompt + response} tokens, more than the model's max_position_embeddings = {limit} "
+                              f"({key}={path!r}); {fix}, or use a model with more positions")
+
+
 # ------------------------------------------------------------------------------------------------------ public API
 def validate(cfg: MppoConfig, world_size: int | None = None) -> None:
     """Raise ConfigError for the first problem found; warn (ConfigWarning) for legal but suspicious settings.
@@ -312,3 +350,4 @@ def validate(cfg: MppoConfig, world_size: int | None = None) -> None:
                                 _data_parallel_size(cfg, REF, world, world_text))
     if cfg.critic.enable:
         _check_batches(cfg, "critic", _data_parallel_size(cfg, "critic", world, world_text))
+    check_model_limits(cfg)

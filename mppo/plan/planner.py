@@ -93,7 +93,7 @@ class Plan:
     params: int
     device: DeviceSpec
     dtype: str  # parameter dtype: bf16 | fp32
-    attention: str  # flash (Transformer Engine) | unfused (local spec)
+    attention: str  # flash (Transformer Engine or SDPA) | unfused (local spec)
     world: int
     sequence_len: int
     roles: list[RolePlan]
@@ -251,7 +251,7 @@ def plan(cfg: MppoConfig, hf_args: HFModelArgs, device_memory_bytes: int | None 
     on_gpu = device != "cpu"
     arr = cfg.actor_rollout_ref
     dtype = arr.model.dtype if arr.model.dtype != "auto" else ("bf16" if on_gpu else "fp32")
-    flash = on_gpu and arr.model.transformer_impl in ("auto", "te")
+    flash = arr.model.transformer_impl != "local"  # TE and SDPA attention keep no [s, s] scores
     prec = mem.Precision.for_dtype(2 if dtype == "bf16" else 4, flash)
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
@@ -271,7 +271,7 @@ def plan(cfg: MppoConfig, hf_args: HFModelArgs, device_memory_bytes: int | None 
     rollout = _rollout(cfg, hf_args, spec, kept + reserve, offloaded, world, seq)
     step = _step_time(cfg, hf_args, layouts, rollout, spec, world, mfu) if spec.peak_flops else None
     result = Plan(model=model_name or hf_args.model_type, params=mem.total_params(hf_args), device=spec, dtype=dtype,
-                  attention="flash (Transformer Engine)" if flash else "unfused (local spec)", world=world,
+                  attention="flash (Transformer Engine or SDPA)" if flash else "unfused (local spec)", world=world,
                   sequence_len=seq, roles=roles, runtime_reserve=reserve, training_phases=phases, logprob=logprob,
                   rollout=rollout, step=step)
     if suggest and not result.fits:
