@@ -1,12 +1,13 @@
 """Starting an sglang.Engine so that a failure is one clear error in seconds, not a killed process or a hang.
 
 What SGLang 0.5.23 does on its own: its scheduler process logs the traceback of a start-up failure and sends SIGQUIT
-to the parent, whose launch-phase handler kills the parent's whole process tree (the trainer rank included, with
-no error of ours and no chance for the other ranks to hear of it). mppo passes its own `custom_sigquit_handler`
-(a server argument SGLang supports), which turns that signal into an exception in the starting thread. SGLang's
-output during start-up (its logs, the child's traceback) goes to a log file instead of the trainer's stderr; the
-spawned processes keep writing there afterwards. The error names the failure (the last exception line of the log,
-or the parent's own exception) and the log file.
+to the parent, whose launch-phase handler kills the parent's whole process tree (the trainer rank included, with no
+error of ours and no chance for the other ranks to hear of it). mppo passes its own `custom_sigquit_handler` (a
+server argument SGLang supports), which turns the first such signal into an exception in the starting thread (after
+a failed start, SIGQUIT stays ignored: the trainer is stopping, and a late signal from another of SGLang's dying
+processes would kill it). SGLang's output during start-up (its logs, the child's traceback) goes to a log file
+instead of the trainer's stderr; the spawned processes keep writing there afterwards. The error names the failure
+(the last exception line of the log, or the parent's own exception) and the log file.
 
 The processes SGLang spawns must not inherit torchrun's environment: with TORCHELASTIC_USE_AGENT_STORE set, the
 scheduler's own torch.distributed init (a group of the engine's TP ranks on a tcp:// address of its choosing)
@@ -59,9 +60,10 @@ def start_engine(engine_cls: Callable[..., Any], server_args: dict[str, Any], *,
     errors (e.g. "rollout group 1 (ranks 2-3)")."""
     import psutil
 
+    global _child_failed_raised
+    _child_failed_raised = False
     before = {child.pid for child in psutil.Process().children(recursive=True)}
     contexts_before = {id(ctx) for ctx in _zmq_contexts()}
-    previous_handler = signal.getsignal(signal.SIGQUIT)
     args = {**server_args, "custom_sigquit_handler": _raise_child_failed}
     spawn_env = contextlib.nullcontext()
     if on_cpu:
@@ -80,11 +82,14 @@ def start_engine(engine_cls: Callable[..., Any], server_args: dict[str, Any], *,
             error = f"{type(exc).__name__}: {exc}".strip().splitlines()[0].rstrip(".")
         finally:
             if error is not None:
+                # More than one of SGLang's processes may signal the failure (scheduler, detokenizer), and late
+                # under load: one arriving once the default handler was back would kill the trainer (exit -3, no
+                # message). This start is over and the trainer stops with the error below: SIGQUIT stays ignored.
+                signal.signal(signal.SIGQUIT, signal.SIG_IGN)
                 _kill_new_children(before)
                 for ctx in _zmq_contexts():
                     if id(ctx) not in contexts_before and not ctx.closed:
                         ctx.destroy(linger=0)
-                signal.signal(signal.SIGQUIT, previous_handler)
     detail = _last_exception_line(log_path) if log_path is not None else None
     if detail and error == "its scheduler process failed":
         error = f"{error}: {detail.rstrip('.')}"
@@ -94,8 +99,16 @@ def start_engine(engine_cls: Callable[..., Any], server_args: dict[str, Any], *,
                            "that the model at actor_rollout_ref.model.path is one SGLang supports")
 
 
+_child_failed_raised = False  # module level, like the handler that reads it
+
+
 def _raise_child_failed(signum: int, frame: Any) -> None:
-    """The SIGQUIT handler during start-up (module level: SGLang pickles its server arguments)."""
+    """The SIGQUIT handler during start-up (module level: SGLang pickles its server arguments). It raises once: a
+    second signal must not interrupt the clean-up of the first."""
+    global _child_failed_raised
+    if _child_failed_raised:
+        return
+    _child_failed_raised = True
     raise _ChildFailed()
 
 
