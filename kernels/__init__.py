@@ -1,6 +1,10 @@
-"""Fused kernels (shipped as mppo.kernels): hidden states → log-prob + entropy without [tokens × vocab] logits, and
-the clipped PPO loss in one pass. Each has a Triton implementation (CUDA; CPU under TRITON_INTERPRET=1), a chunked
-torch implementation, and the naive reference; `backend` chooses (see backend.py). Triton is imported lazily.
+"""Fused kernels (shipped as mppo.kernels), both without [tokens × vocab] logits:
+  * fused_linear_logprob_entropy: hidden states → log-prob + entropy (the no-grad passes, and training with loss
+    modes the fused loss does not cover: it recomputes the logits in its backward);
+  * fused_linear_ppo_loss: hidden states → log-prob + entropy → clipped PPO loss (+ entropy bonus, KL loss), with
+    the gradients computed during the forward.
+Each has a Triton backend (CUDA; CPU under TRITON_INTERPRET=1) and a chunked torch backend; `backend` chooses (see
+backend.py). Triton is imported lazily.
 """
 from __future__ import annotations
 
@@ -10,9 +14,12 @@ import torch
 import torch.distributed as dist
 
 from . import fused_logprob, ppo_loss, reference
-from .backend import BACKENDS, logprob_backend, ppo_loss_backend, resolve_backend
+from .backend import BACKENDS, logprob_backend, resolve_backend, token_step_for
+from .ppo_loss import STAT_NAMES, FusedPPOLossOutput
+from .ppo_token_loss import PPOTokenLoss
 
-__all__ = ["BACKENDS", "fused_linear_logprob_entropy", "fused_ppo_loss"]
+__all__ = ["BACKENDS", "STAT_NAMES", "FusedPPOLossOutput", "PPOTokenLoss", "fused_linear_logprob_entropy",
+           "fused_linear_ppo_loss"]
 
 
 def fused_linear_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
@@ -45,27 +52,28 @@ def fused_linear_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
                                        compute_entropy=compute_entropy, valid_vocab_size=valid_vocab_size)
 
 
-def fused_ppo_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-                   response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", *, clip_ratio_low: float = 0.2,
-                   clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
-                   rollout_is_weights: Optional[torch.Tensor] = None, dp_size: int = 1,
-                   batch_num_tokens: Optional[ppo_loss.Number] = None,
-                   global_batch_size: Optional[ppo_loss.Number] = None,
-                   loss_scale_factor: Optional[ppo_loss.Number] = None, backend: str = "auto"
-                   ) -> tuple[torch.Tensor, dict[str, float]]:
-    """veRL 0.9.1 "vanilla" PPO-clip policy loss in one pass over the tokens, with a precomputed backward.
+def fused_linear_ppo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, spec: PPOTokenLoss, *,
+                          temperature: float = 1.0, tp_group: Optional[dist.ProcessGroup] = None,
+                          valid_vocab_size: Optional[int] = None, chunk_rows: Optional[int] = None,
+                          block_cols: Optional[int] = None, backend: str = "auto") -> FusedPPOLossOutput:
+    """veRL's vanilla PPO loss (+ entropy bonus, + KL-to-reference loss) of the tokens whose final hidden states
+    are `hidden`, straight from hidden·weightᵀ/temperature, with d(hidden) and d(weight) computed in the same
+    pass (6·N·V·H FLOPs; the log-prob op + autograd costs 8). `spec` (ppo_token_loss.PPOTokenLoss) gives each
+    token's advantage, aggregation weight (core_algos.agg_token_weights), mask, old / reference log-prob and
+    rollout IS weight, and the loss knobs.
 
-    Same semantics as core_algos.compute_policy_loss(..., loss_mode="vanilla"): ratio = exp(clamp(Δlogp, ±20)),
-    asymmetric clip [1 − clip_ratio_low, 1 + clip_ratio_high], dual clip at clip_ratio_c only where A < 0, the
-    chosen aggregation with global batch info (dp_size, batch_num_tokens, global_batch_size, loss_scale_factor),
-    and the metrics actor/pg_clipfrac, actor/ppo_kl, actor/pg_clipfrac_lower as python floats.
-    All inputs are [batch, response_len]; only log_prob is differentiated (the others are data).
+    hidden [N, H], weight [V_local, H] (one dtype), labels [N] global token ids: as fused_linear_logprob_entropy,
+    including `tp_group` (weight is this rank's vocab shard, hidden replicated; d(hidden) is all-reduced here)
+    and `valid_vocab_size`. The returned `loss` backpropagates the stored gradients scaled by grad_output; its
+    `log_probs`, `entropy` and `stats` are detached. Logits live one row chunk at a time (`chunk_rows` rows,
+    default ~128 MiB of fp32 logits; `block_cols` vocab columns per block). The naive backend is not offered:
+    core_algos on fused_linear_logprob_entropy's outputs is the reference path.
     """
-    name = resolve_backend(backend, log_prob.device)
-    kwargs = dict(clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-                  rollout_is_weights=rollout_is_weights, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
-                  global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor)
+    name = resolve_backend(backend, hidden.device)
     if name == "naive":
-        return reference.naive_ppo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, **kwargs)
-    return ppo_loss.fused_ppo_loss(ppo_loss_backend(name, log_prob.device), old_log_prob, log_prob, advantages,
-                                   response_mask, loss_agg_mode, **kwargs)
+        raise ValueError("fused_linear_ppo_loss has no naive backend: compute log-probs with "
+                         "fused_linear_logprob_entropy(backend='naive') and the loss with core_algos")
+    return ppo_loss.fused_ppo_loss(logprob_backend(name, hidden.device), token_step_for(name, hidden.device),
+                                   hidden, weight, labels, spec,
+                                   temperature=temperature, tp_group=tp_group, valid_vocab_size=valid_vocab_size,
+                                   chunk_rows=chunk_rows, block_cols=block_cols)

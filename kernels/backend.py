@@ -36,7 +36,8 @@ def require_triton(device: torch.device) -> None:
 
 
 def logprob_backend(name: str, device: torch.device) -> ModuleType:
-    """The module implementing local_stats/grad_logits_chunk for a fused backend name."""
+    """The module implementing a fused backend's row passes (local_stats/grad_logits_chunk for the log-prob op,
+    block_stats/block_grad for the fused PPO loss)."""
     if name == "torch":
         from . import logprob_torch
         return logprob_torch
@@ -45,11 +46,11 @@ def logprob_backend(name: str, device: torch.device) -> ModuleType:
     return logprob_triton
 
 
-def ppo_loss_backend(name: str, device: torch.device) -> ModuleType:
-    """The module implementing the per-row pass of the fused PPO loss."""
+def token_step_for(name: str, device: torch.device):
+    """The fused PPO loss's per-chunk token step for a fused backend name (ppo_token_loss.token_step's contract)."""
     if name == "torch":
-        from . import ppo_loss_torch
-        return ppo_loss_torch
+        from .ppo_token_loss import token_step
+        return token_step
     require_triton(device)
-    from . import ppo_loss_triton
-    return ppo_loss_triton
+    from .ppo_token_triton import token_step as triton_token_step
+    return triton_token_step

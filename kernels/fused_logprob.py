@@ -211,19 +211,27 @@ def _validate(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
         raise ValueError(f"chunk_size (vocab columns per chunk) must be >= 1 or None, got {chunk_size}")
 
 
-def fused_logprob(backend: ModuleType, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                  temperature: float, tp_group: Optional[dist.ProcessGroup], chunk_size: Optional[int],
-                  compute_entropy: bool, valid_vocab_size: Optional[int]
-                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Run the fused op with `backend`; see mppo.kernels.fused_linear_logprob_entropy for the contract."""
+def prepare_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, temperature: float,
+                   tp_group: Optional[dist.ProcessGroup], chunk_size: Optional[int],
+                   valid_vocab_size: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Shard, float]:
+    """Validated (hidden, weight, labels local to this rank's shard, shard, 1/temperature); shared by the
+    fused kernels."""
     _validate(hidden, weight, labels, temperature, chunk_size)
     shard = _Shard(weight.shape[0], valid_vocab_size, tp_group)
     if labels.numel() and bool(((labels < 0) | (labels >= shard.valid_vocab)).any()):
         raise ValueError(f"labels must be global token ids in [0, {shard.valid_vocab}); got min "
                          f"{int(labels.min())}, max {int(labels.max())}")
-    hidden, weight = hidden.contiguous(), weight.contiguous()
-    labels_local = shard.local_labels(labels)
-    inv_temp = 1.0 / float(temperature)
+    return hidden.contiguous(), weight.contiguous(), shard.local_labels(labels), shard, 1.0 / float(temperature)
+
+
+def fused_logprob(backend: ModuleType, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                  temperature: float, tp_group: Optional[dist.ProcessGroup], chunk_size: Optional[int],
+                  compute_entropy: bool, valid_vocab_size: Optional[int]
+                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Run the fused op with `backend`; see mppo.kernels.fused_linear_logprob_entropy for the contract."""
+    hidden, weight, labels_local, shard, inv_temp = prepare_inputs(hidden, weight, labels, temperature=temperature,
+                                                                   tp_group=tp_group, chunk_size=chunk_size,
+                                                                   valid_vocab_size=valid_vocab_size)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         out = _FusedLinearLogprob.apply(hidden, weight, labels_local, backend, shard, inv_temp, compute_entropy,
                                         chunk_size)

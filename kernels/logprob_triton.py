@@ -1,10 +1,11 @@
-"""Triton backend of the fused log-prob/entropy op (CUDA; CPU under TRITON_INTERPRET=1).
+"""Triton backend of the fused kernels (CUDA; CPU under TRITON_INTERPRET=1).
 
 Forward: one launch over (row blocks × vocab splits); each program walks its vocab split in BLOCK_V tiles, computes
 the logits tile with tl.dot over BLOCK_H slices of H, and keeps the online row statistics (row_stats) in registers.
 The per-split partial statistics ([splits, N], tiny) are merged in torch. Backward: per vocab chunk, one launch
 recomputes the logits tile and writes dLoss/dz; the two gradient matmuls then run in torch (cuBLAS on GPU), so no
-atomics and each grad_weight row is written once.
+atomics and each grad_weight row is written once. The same two kernels run over logits the fused PPO loss has
+already computed (FROM_LOGITS: `block_stats`, `block_grad`), so both ops share one implementation of the row math.
 
 The dot always accumulates in fp32. fp32 inputs multiply in IEEE fp32 (not tf32: the log-probs feed an importance
 ratio). 16-bit inputs multiply natively on the GPU's tensor cores; under the interpreter they are upcast right after
@@ -48,9 +49,24 @@ def _logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_h, stride_w
 
 
 @triton.jit
+def _tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_h, stride_w, inv_temp, FROM_LOGITS: tl.constexpr,
+          DOT_IN_FP32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
+    """A [BLOCK_N, BLOCK_V] tile of scaled logits in fp32: computed from hidden and weight, or (FROM_LOGITS)
+    loaded from an fp32 logits buffer at h_ptr with row stride stride_h (the fused PPO loss computes its logits
+    with cuBLAS once and runs these kernels over them)."""
+    if FROM_LOGITS:
+        z = tl.load(h_ptr + rows[:, None] * stride_h + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                    other=0.0)
+    else:
+        z = _logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_h, stride_w, inv_temp,
+                         DOT_IN_FP32, BLOCK_N, BLOCK_V, BLOCK_H)
+    return z
+
+
+@triton.jit
 def _stats_kernel(h_ptr, w_ptr, labels_ptr, m_ptr, s_ptr, u_ptr, label_logit_ptr,
                   N, V, H, cols_per_split, stride_h, stride_w, inv_temp,
-                  COMPUTE_U: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+                  COMPUTE_U: tl.constexpr, DOT_IN_FP32: tl.constexpr, FROM_LOGITS: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -66,8 +82,8 @@ def _stats_kernel(h_ptr, w_ptr, labels_ptr, m_ptr, s_ptr, u_ptr, label_logit_ptr
     for v0 in range(v_begin, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = cols < v_end
-        z = _logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_h, stride_w, inv_temp,
-                         DOT_IN_FP32, BLOCK_N, BLOCK_V, BLOCK_H)
+        z = _tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_h, stride_w, inv_temp,
+                  FROM_LOGITS, DOT_IN_FP32, BLOCK_N, BLOCK_V, BLOCK_H)
         is_label = (cols[None, :] == labels[:, None]) & col_ok[None, :]
         label_logit += tl.sum(tl.where(is_label, z, 0.0), axis=1)
         z = tl.where(col_ok[None, :], z, float("-inf"))
@@ -94,13 +110,15 @@ def _stats_kernel(h_ptr, w_ptr, labels_ptr, m_ptr, s_ptr, u_ptr, label_logit_ptr
 def _grad_logits_kernel(h_ptr, w_ptr, labels_ptr, lse_ptr, entropy_ptr, g_lp_ptr, g_ent_ptr, grad_ptr,
                         N, V, H, stride_h, stride_w, stride_g, inv_temp,
                         HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+                        FROM_LOGITS: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok = rows < N
     col_ok = cols < V
-    z = _logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_h, stride_w, inv_temp,
-                     DOT_IN_FP32, BLOCK_N, BLOCK_V, BLOCK_H)
+    # FROM_LOGITS with grad_ptr == h_ptr overwrites the logits: each element is read and written by one program
+    z = _tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_h, stride_w, inv_temp,
+              FROM_LOGITS, DOT_IN_FP32, BLOCK_N, BLOCK_V, BLOCK_H)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     log_p = z - lse[:, None]
     p = tl.exp(log_p)
@@ -144,7 +162,7 @@ def local_stats(hidden: torch.Tensor, weight: torch.Tensor, labels_local: torch.
     grid = (triton.cdiv(n, BLOCK_N), splits)
     _stats_kernel[grid](hidden, weight, labels_local, m, s, u, label_logit,
                         n, v, hidden.shape[1], cols_per_split, hidden.stride(0), weight.stride(0), inv_temp,
-                        COMPUTE_U=compute_entropy, DOT_IN_FP32=dot_in_fp32,
+                        COMPUTE_U=compute_entropy, DOT_IN_FP32=dot_in_fp32, FROM_LOGITS=False,
                         BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
     m, s, u = row_stats.merge_partials(m, s, u)
     return m, s, u, label_logit.sum(dim=0)
@@ -165,6 +183,51 @@ def grad_logits_chunk(hidden_r: torch.Tensor, weight_c: torch.Tensor, labels_c: 
                               g_ent_r.contiguous() if has_g_ent else dummy, grad,
                               n, v, hidden_r.shape[1], hidden_r.stride(0), weight_c.stride(0), grad.stride(0),
                               inv_temp, HAS_G_LP=has_g_lp, HAS_G_ENT=has_g_ent,
-                              DOT_IN_FP32=_dot_in_fp32(hidden_r.dtype),
+                              DOT_IN_FP32=_dot_in_fp32(hidden_r.dtype), FROM_LOGITS=False,
                               BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
     return grad
+
+
+def _check_logits(z: torch.Tensor) -> None:
+    if z.dtype != torch.float32 or z.stride(1) != 1:
+        raise TypeError(f"the Triton backend runs over fp32 logits with unit column stride (bf16/fp16/fp32 "
+                        f"inputs), got {z.dtype} (use backend='torch' for fp64)")
+
+
+def block_stats(z: torch.Tensor, labels_block: torch.Tensor, compute_entropy: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row statistics of a block of computed logits (see logprob_torch.block_stats); z is not modified."""
+    _check_logits(z)
+    n, v = z.shape
+    cols_per_split = _default_cols_per_split(n, v, z.device)
+    splits = triton.cdiv(v, cols_per_split)
+    m, s, u, label_logit = (torch.empty(splits, n, dtype=torch.float32, device=z.device) for _ in range(4))
+    grid = (triton.cdiv(n, BLOCK_N), splits)
+    _stats_kernel[grid](z, z, labels_block.contiguous(), m, s, u, label_logit,
+                        n, v, 0, cols_per_split, z.stride(0), 0, 1.0,
+                        COMPUTE_U=compute_entropy, DOT_IN_FP32=True, FROM_LOGITS=True,
+                        BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
+    m, s, u = row_stats.merge_partials(m, s, u)
+    return m, s, u, label_logit.sum(dim=0)
+
+
+def block_grad(z: torch.Tensor, labels_block: torch.Tensor, lse_r: torch.Tensor, entropy_r: Optional[torch.Tensor],
+               g_lp_r: Optional[torch.Tensor], g_ent_r: Optional[torch.Tensor], out_dtype: torch.dtype
+               ) -> torch.Tensor:
+    """dLoss/dz of a block of computed logits, in `out_dtype` (see logprob_torch.block_grad). fp32 output
+    overwrites z; 16-bit output goes to its own buffer on the GPU (stored rounded by the kernel) and through z
+    under the interpreter (whose 16-bit stores truncate), then cast."""
+    _check_logits(z)
+    n, v = z.shape
+    out = z if out_dtype == z.dtype or _INTERPRET else torch.empty(n, v, dtype=out_dtype, device=z.device)
+    has_g_lp, has_g_ent = g_lp_r is not None, g_ent_r is not None
+    dummy = lse_r  # never read when the matching HAS_* flag is off
+    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(v, BLOCK_V))
+    _grad_logits_kernel[grid](z, z, labels_block.contiguous(), lse_r.contiguous(),
+                              entropy_r.contiguous() if has_g_ent else dummy,
+                              g_lp_r.contiguous() if has_g_lp else dummy,
+                              g_ent_r.contiguous() if has_g_ent else dummy, out,
+                              n, v, 0, z.stride(0), 0, out.stride(0), 1.0,
+                              HAS_G_LP=has_g_lp, HAS_G_ENT=has_g_ent, DOT_IN_FP32=True, FROM_LOGITS=True,
+                              BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
+    return out if out.dtype == out_dtype else out.to(out_dtype)

@@ -9,6 +9,7 @@ import torch
 from mppo.core_algos import (
     AGG_LOSS_MODES,
     agg_loss,
+    agg_token_weights,
     clip_by_value,
     entropy_from_logits,
     masked_mean,
@@ -133,6 +134,23 @@ def test_agg_loss_matches_reference(mode):
     for kwargs in ({}, {"dp_size": 4, "batch_num_tokens": 37, "global_batch_size": 9}, {"loss_scale_factor": 3.0}):
         got = agg_loss(L, mask, mode, **kwargs).item()
         assert got == pytest.approx(_ref_agg(L.tolist(), mask.tolist(), mode, **kwargs), rel=1e-12)
+
+
+@pytest.mark.parametrize("mode", AGG_LOSS_MODES)
+def test_agg_token_weights_give_agg_loss_as_a_weighted_sum(mode):
+    # the fused PPO kernel needs each token's weight in the aggregated loss before the loss exists
+    L, mask = _batch(7)
+    mask[3, 0] = 0.5  # a fractional weight
+    for kwargs in ({}, {"dp_size": 4, "batch_num_tokens": 37, "global_batch_size": 9}, {"loss_scale_factor": 3.0}):
+        weights = agg_token_weights(mask, mode, **kwargs)
+        assert weights.shape == mask.shape and bool((weights[mask == 0] == 0).all())
+        expected = _ref_agg(L.tolist(), mask.tolist(), mode, **kwargs)
+        assert (L * weights).sum().item() == pytest.approx(expected, rel=1e-12)
+    if mode != "token-sum":  # the same errors as agg_loss
+        with pytest.raises(ValueError, match="batch_num_tokens" if mode == "token-mean" else "global_batch_size"):
+            agg_token_weights(mask, mode, dp_size=2)
+    with pytest.raises(ValueError, match="valid modes"):
+        agg_token_weights(mask, "token-average")
 
 
 def test_agg_loss_hand_cases():

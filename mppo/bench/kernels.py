@@ -1,8 +1,21 @@
-"""`mppo bench kernels`: time and peak extra memory of hidden→log-prob+entropy, forward + backward.
+"""`mppo bench kernels`: time and peak extra memory of hidden → PPO loss, forward + backward, side by side.
 
-Implementations: `naive` (full [N × V] fp32 logits, log_softmax + softmax entropy, as veRL's unfused path),
-`torch` (mppo's chunked torch kernel), `triton` (mppo's Triton kernel, CUDA only) and `liger` (Liger-Kernel's
-fused linear cross-entropy, CUDA only, where installed; it computes the log-prob but no entropy).
+Every implementation computes the actor's loss of N response tokens from their final hidden states — veRL's
+vanilla PPO clip + entropy bonus (0.01) + KL loss (low_var_kl, 0.001), token-mean — and its gradients w.r.t.
+hidden and the LM head:
+  * `naive`: full [N × V] fp32 logits (log_softmax + softmax entropy), then core_algos — veRL's unfused path;
+  * `torch`, `triton`: mppo's fused log-prob + entropy op (chunked, recomputes its logits in the backward:
+    8·N·V·H FLOPs), then core_algos — the reference path of the actor;
+  * `ppo-torch`, `ppo-triton`: mppo's fused PPO loss, gradient computed in the forward (6·N·V·H FLOPs) — what
+    the actor runs for the loss modes it covers;
+  * `liger`: Liger-Kernel's fused linear cross-entropy (CUDA, where installed): Σ log p only, no entropy and no
+    PPO terms (its cost is the same 6·N·V·H matmuls; the baseline for the GPU target);
+  * `liger-grpo`: Liger-Kernel's LigerFusedLinearGRPOLoss (where installed; pure torch, so CPU too): PPO clip +
+    k3 KL (0.001), token-mean ("dapo"), one token per sequence so every token has its own advantage; no entropy
+    bonus and no dual clip. Liger 0.8.5 recomputes each chunk's logits in its backward (8·N·V·H FLOPs).
+`triton`, `ppo-triton` and `liger` need CUDA. The old / reference log-probs the loss needs come from a no-grad
+pass before the measurement (the current log-probs plus noise, so ratios sit around 1 and the clip is active on
+some tokens).
 
 Every (implementation, N, H) case runs in a FRESH subprocess, so allocator caches and high-water marks never leak
 from one case into the next. Memory method:
@@ -11,9 +24,10 @@ from one case into the next. Memory method:
     implementation must produce). glibc returns large blocks to the OS when freed, so RSS follows live tensors
     closely; it also counts any allocator slack, so it is an upper bound on what torch held.
   * CUDA: torch.cuda.max_memory_allocated() minus memory_allocated() after the inputs, minus the gradients.
-Time: wall clock of forward + backward of Σ a·log_prob + Σ b·entropy (random a, b), minimum over `--repeats`
-runs after `--warmup` runs (CUDA synchronised). On CPU the table also shows the process CPU time of the same run
-(all threads): on a shared machine it is disturbed far less by other processes than the wall clock.
+Time: wall clock of forward + backward, minimum over `--repeats` runs after `--warmup` runs (CUDA synchronised).
+On CPU the table also shows the process CPU time of the same run (all threads): on a shared machine it is
+disturbed far less by other processes than the wall clock. `vs recompute` is the time (CPU time on CPU) of a
+fused PPO loss over the fused log-prob op of the same backend.
 """
 from __future__ import annotations
 
@@ -30,7 +44,11 @@ FULL_CASES = [(1024, 512), (1024, 1024), (4096, 512), (4096, 1024)]
 FULL_VOCAB = 151_936  # Qwen2 / Qwen2.5
 QUICK_CASES = [(256, 64)]
 QUICK_VOCAB = 8192
-IMPLS = ("naive", "torch", "triton", "liger")
+IMPLS = ("naive", "torch", "ppo-torch", "triton", "ppo-triton", "liger", "liger-grpo")
+OTHER_LOSS = ("liger", "liger-grpo")  # compute a different loss: no loss comparison with naive
+RECOMPUTE_OF = {"ppo-torch": "torch", "ppo-triton": "triton"}  # the reference path each fused loss replaces
+LOSS = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, entropy_coeff=0.01, kl_loss_coef=0.001,
+            kl_loss_type="low_var_kl")
 
 
 def _rss_bytes() -> int:
@@ -38,38 +56,86 @@ def _rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _impl_fn(impl: str):
-    """A function (hidden, weight, labels) -> (log_probs, entropy or None) with autograd; imports happen here,
-    before the memory baseline is taken."""
+def _reference_loss(log_probs, entropy, data):
+    """core_algos' actor loss of one row of N tokens (what ActorWorker's reference path computes)."""
+    from mppo.core_algos import PolicyLossParams, agg_loss, compute_policy_loss_vanilla, kl_penalty
+
+    lp, ent = log_probs[None], entropy[None]
+    mask = data["mask"][None]
+    params = PolicyLossParams(clip_ratio_low=LOSS["clip_ratio_low"], clip_ratio_high=LOSS["clip_ratio_high"])
+    pg_loss, _ = compute_policy_loss_vanilla(data["old"][None], lp, data["adv"][None], mask, "token-mean",
+                                             config=params)
+    kl_loss = agg_loss(kl_penalty(lp, data["ref"][None], LOSS["kl_loss_type"]), mask, "token-mean")
+    return pg_loss - LOSS["entropy_coeff"] * agg_loss(ent, mask, "token-mean") + LOSS["kl_loss_coef"] * kl_loss
+
+
+def _impl_fn(impl: str, chunk_rows: Optional[int]):
+    """A function (hidden, weight, labels, data) -> scalar loss with autograd; imports happen here, before the
+    memory baseline is taken."""
     if impl in ("naive", "torch", "triton"):
         from mppo.kernels import fused_linear_logprob_entropy
         if impl == "triton":
             from mppo.kernels import logprob_triton  # noqa: F401  (compile-time imports outside the timing)
 
-        def run(hidden, weight, labels):
-            return fused_linear_logprob_entropy(hidden, weight, labels, backend=impl)
+        def run(hidden, weight, labels, data):
+            lp, ent = fused_linear_logprob_entropy(hidden, weight, labels, backend=impl)
+            return _reference_loss(lp, ent, data)
         return run
+    if impl in ("ppo-torch", "ppo-triton"):
+        from mppo.kernels import PPOTokenLoss, fused_linear_ppo_loss
+        backend = impl.split("-")[1]
+        if backend == "triton":
+            from mppo.kernels import logprob_triton  # noqa: F401,F811
+
+        def run_fused(hidden, weight, labels, data):
+            spec = PPOTokenLoss(advantages=data["adv"], weights=data["mask"] / data["mask"].sum(), mask=data["mask"],
+                                old_log_prob=data["old"], ref_log_prob=data["ref"], **LOSS)
+            return fused_linear_ppo_loss(hidden, weight, labels, spec, chunk_rows=chunk_rows, backend=backend).loss
+        return run_fused
     if impl == "liger":
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
         loss_fn = LigerFusedLinearCrossEntropyLoss(reduction="sum")
 
-        def run_liger(hidden, weight, labels):
-            return -loss_fn(weight, hidden, labels).reshape(1), None  # Σ log p only: Liger has no entropy
+        def run_liger(hidden, weight, labels, data):
+            return loss_fn(weight, hidden, labels)  # −Σ log p only: Liger has no entropy or PPO terms here
         return run_liger
+    if impl == "liger-grpo":
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+        # chunk_size = rows: one chunk of N one-token sequences (Liger chunks over sequences; its log-prob op
+        # chunks rows and vocabulary inside)
+        grpo = LigerFusedLinearGRPOLoss(beta=LOSS["kl_loss_coef"], compiled=False, use_ref_model=True,
+                                        chunk_size=1 << 30, epsilon_low=LOSS["clip_ratio_low"],
+                                        epsilon_high=LOSS["clip_ratio_high"], loss_type="dapo")
+
+        def run_liger_grpo(hidden, weight, labels, data):
+            n = hidden.shape[0]
+            loss, _metrics = grpo(hidden.view(n, 1, -1), weight, labels.view(n, 1), data["mask"].view(n, 1),
+                                  data["adv"], ref_per_token_logps=data["ref"].view(n, 1),
+                                  old_per_token_logps=data["old"].view(n, 1))
+            return loss
+        return run_liger_grpo
     raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
 
 
-def worker(impl: str, n: int, h: int, vocab: int, device: str, warmup: int, repeats: int) -> dict:
+def worker(impl: str, n: int, h: int, vocab: int, device: str, warmup: int, repeats: int,
+           chunk_rows: Optional[int] = None) -> dict:
     """Run one case in this (fresh) process and return its measurements."""
     import torch
-    run = _impl_fn(impl)
+
+    from mppo.kernels import fused_linear_logprob_entropy
+    run = _impl_fn(impl, chunk_rows)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(0)
     hidden = (torch.randn(n, h, generator=gen) * 0.5).to(device=device, dtype=dtype).requires_grad_()
     weight = (torch.randn(vocab, h, generator=gen) / h ** 0.5).to(device=device, dtype=dtype).requires_grad_()
     labels = torch.randint(0, vocab, (n,), generator=gen).to(device)
-    coef_lp = torch.randn(n, generator=gen).to(device)
-    coef_ent = torch.randn(n, generator=gen).to(device)
+    with torch.no_grad():  # old / reference log-probs: the current ones plus noise (chunked: no [N × V] here)
+        current, _ = fused_linear_logprob_entropy(hidden, weight, labels, compute_entropy=False,
+                                                  backend="torch" if device == "cpu" else "triton")
+    data = {"old": current + 0.2 * torch.randn(n, generator=gen).to(device),
+            "ref": current + 0.2 * torch.randn(n, generator=gen).to(device),
+            "adv": torch.randn(n, generator=gen).to(device), "mask": torch.ones(n, device=device)}
+    del current
     cuda = device == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -78,22 +144,18 @@ def worker(impl: str, n: int, h: int, vocab: int, device: str, warmup: int, repe
     else:
         base = _rss_bytes()
 
-    times, cpu_times, lp_sum, ent_sum = [], [], 0.0, None
+    times, cpu_times, loss_value = [], [], 0.0
     for step in range(warmup + repeats):
         hidden.grad = weight.grad = None
         start, cpu_start = time.perf_counter(), time.process_time()
-        lp, ent = run(hidden, weight, labels)
-        loss = (lp * coef_lp).sum() if lp.numel() == n else lp.sum()
-        if ent is not None:
-            loss = loss + (ent * coef_ent).sum()
+        loss = run(hidden, weight, labels, data)
         loss.backward()
         if cuda:
             torch.cuda.synchronize()
         if step >= warmup:
             times.append(time.perf_counter() - start)
             cpu_times.append(time.process_time() - cpu_start)
-        lp_sum = float(lp.detach().double().sum())
-        ent_sum = None if ent is None else float(ent.detach().double().sum())
+        loss_value = float(loss.detach().double())
     grad_bytes = sum(t.grad.numel() * t.grad.element_size() for t in (hidden, weight))
     if cuda:
         peak = torch.cuda.max_memory_allocated()
@@ -101,14 +163,14 @@ def worker(impl: str, n: int, h: int, vocab: int, device: str, warmup: int, repe
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return {"impl": impl, "n": n, "h": h, "vocab": vocab, "device": device,
             "dtype": str(dtype).replace("torch.", ""), "time_s": min(times), "cpu_s": min(cpu_times),
-            "extra_bytes": peak - base - grad_bytes, "log_prob_sum": lp_sum, "entropy_sum": ent_sum}
+            "extra_bytes": peak - base - grad_bytes, "loss": loss_value, "chunk_rows": chunk_rows}
 
 
 def _available(impl: str, device: str) -> Optional[str]:
     """None if `impl` can run on `device`, else the reason it is skipped."""
-    if impl in ("triton", "liger") and device != "cuda":
+    if impl in ("triton", "ppo-triton", "liger") and device != "cuda":
         return "GPU only"
-    if impl == "liger":
+    if impl in ("liger", "liger-grpo"):
         try:
             import liger_kernel  # noqa: F401
         except ImportError:
@@ -119,7 +181,7 @@ def _available(impl: str, device: str) -> Optional[str]:
 def _launch(impl: str, n: int, h: int, vocab: int, args) -> dict:
     cmd = [sys.executable, "-m", "mppo.bench.kernels", "--worker", impl, "--n", str(n), "--h", str(h),
            "--vocab", str(vocab), "--device", args.device, "--warmup", str(args.warmup),
-           "--repeats", str(args.repeats)]
+           "--repeats", str(args.repeats)] + (["--chunk-rows", str(args.chunk_rows)] if args.chunk_rows else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} if args.threads else dict(os.environ)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
@@ -131,26 +193,30 @@ def _launch(impl: str, n: int, h: int, vocab: int, args) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _table(results: list[dict]) -> str:
-    header = (f"| {'impl':<7}| {'N':>5} | {'H':>5} | {'time s':>8} | {'time/naive':>10} | {'cpu s':>8} | "
-              f"{'cpu/naive':>9} | {'extra MiB':>10} | {'mem/naive':>9} | {'Σlogp rel.diff':>14} |")
+def _table(results: list[dict], device: str) -> str:
+    header = (f"| {'impl':<10}| {'N':>5} | {'H':>5} | {'time s':>8} | {'time/naive':>10} | {'cpu s':>8} | "
+              f"{'cpu/naive':>9} | {'vs recompute':>12} | {'extra MiB':>10} | {'mem/naive':>9} | "
+              f"{'loss rel.diff':>13} |")
     lines = [header, "|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|"]
-    naive = {(r["n"], r["h"]): r for r in results if r["impl"] == "naive" and "error" not in r}
+    by_case = {(r["impl"], r["n"], r["h"]): r for r in results if "error" not in r and "skipped" not in r}
+    clock = "time_s" if device == "cuda" else "cpu_s"
     for r in results:
         if "error" in r or "skipped" in r:
             note = r.get("error") or r["skipped"]
-            lines.append(f"| {r['impl']:<7}| {r['n']:>5} | {r['h']:>5} | {note}")
+            lines.append(f"| {r['impl']:<10}| {r['n']:>5} | {r['h']:>5} | {note}")
             continue
-        base = naive.get((r["n"], r["h"]))
+        base = by_case.get(("naive", r["n"], r["h"]))
+        recompute = by_case.get((RECOMPUTE_OF.get(r["impl"], ""), r["n"], r["h"]))
         t_ratio = f"{r['time_s'] / base['time_s']:.2f}x" if base else "-"
         c_ratio = f"{r['cpu_s'] / base['cpu_s']:.2f}x" if base and base["cpu_s"] > 0 else "-"
+        vs = f"{r[clock] / recompute[clock]:.2f}x" if recompute and recompute[clock] > 0 else "-"
         m_ratio = f"{r['extra_bytes'] / base['extra_bytes']:.3f}x" if base and base["extra_bytes"] > 0 else "-"
         diff = "-"
-        if base:
-            diff = f"{abs(r['log_prob_sum'] - base['log_prob_sum']) / abs(base['log_prob_sum']):.1e}"
-        lines.append(f"| {r['impl']:<7}| {r['n']:>5} | {r['h']:>5} | {r['time_s']:>8.3f} | {t_ratio:>10} | "
-                     f"{r['cpu_s']:>8.2f} | {c_ratio:>9} | {r['extra_bytes'] / 2 ** 20:>10.1f} | {m_ratio:>9} | "
-                     f"{diff:>14} |")
+        if base and r["impl"] not in OTHER_LOSS:
+            diff = f"{abs(r['loss'] - base['loss']) / max(abs(base['loss']), 1e-12):.1e}"
+        lines.append(f"| {r['impl']:<10}| {r['n']:>5} | {r['h']:>5} | {r['time_s']:>8.3f} | {t_ratio:>10} | "
+                     f"{r['cpu_s']:>8.2f} | {c_ratio:>9} | {vs:>12} | {r['extra_bytes'] / 2 ** 20:>10.1f} | "
+                     f"{m_ratio:>9} | {diff:>13} |")
     return "\n".join(lines)
 
 
@@ -165,6 +231,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=None, help="untimed runs per case (default 1 CPU, 3 CUDA)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per case, min reported (default 1/10)")
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the workers")
+    p.add_argument("--chunk-rows", type=int, default=None,
+                   help="rows per logits chunk of the fused PPO loss (default: ~128 MiB of fp32 logits)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per case before it is reported failed")
     p.add_argument("--json", default=None, help="also write the raw results to this file")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -182,7 +250,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.warmup = args.warmup if args.warmup is not None else (3 if cuda else 1)
     args.repeats = args.repeats if args.repeats is not None else (10 if cuda else 1)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.n, args.h, args.vocab, args.device, args.warmup, args.repeats)))
+        print(json.dumps(worker(args.worker, args.n, args.h, args.vocab, args.device, args.warmup, args.repeats,
+                                args.chunk_rows)))
         return 0
 
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
@@ -209,7 +278,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             results.append(r)
             status = r.get("error") or f"{r['time_s']:.3f}s, extra {r['extra_bytes'] / 2 ** 20:.1f} MiB"
             print(f"  {impl:<6} N={n:<5} H={h:<5} {status}", flush=True)
-    print(_table(results))
+    print(_table(results, args.device))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

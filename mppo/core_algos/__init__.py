@@ -48,7 +48,7 @@ from .adv_token import (
     compute_remax_outcome_advantage,
 )
 from .advantages import compute_advantage
-from .agg import AGG_LOSS_MODES, GlobalBatchInfo, agg_loss
+from .agg import AGG_LOSS_MODES, GlobalBatchInfo, agg_loss, agg_token_weights
 from .kl import (
     KL_CONTROLLER_TYPES,
     KL_PENALTY_TYPES,
@@ -97,7 +97,7 @@ __all__ = [
     # masked helpers
     "masked_sum", "masked_mean", "masked_var", "masked_whiten", "entropy_from_logits", "clip_by_value",
     # aggregation
-    "AGG_LOSS_MODES", "GlobalBatchInfo", "agg_loss",
+    "AGG_LOSS_MODES", "GlobalBatchInfo", "agg_loss", "agg_token_weights",
     # KL
     "KL_PENALTY_TYPES", "KL_CONTROLLER_TYPES", "UnknownKLPenaltyError", "kl_penalty", "compute_rewards",
     "FixedKLController", "AdaptiveKLController", "get_kl_controller", "apply_kl_penalty",

@@ -9,6 +9,8 @@
   sequences summed over DP). A micro-batch loss is then its share of the global loss times dp;
   run_pipeline undoes the schedule's division by the number of micro-batches and DDP averages over DP, so the
   gradient is that of the global mini-batch loss however the batch is split.
+  The loss runs through the fused gradient-in-forward kernel where it covers the config, else log-probs then
+  core_algos (mppo.workers.loss_selection says which and why; logged once).
 - `export_hf_weights`: HF-named full tensors in buckets (rollout weight sync and HF checkpoints).
 
 Policy losses that pick tokens inside what they are given (clip_cov, kl_cov) pick them per micro-batch, as
@@ -20,6 +22,7 @@ where veRL averages per-micro-batch means); all are averaged over the optimizer 
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +38,7 @@ from mppo.parallel import ParallelDims
 from mppo.workers.base import StepMetrics, build_role_model, mean_metrics, response_forward_step
 from mppo.workers.batching import Batch, validate_batch
 from mppo.workers.logprob import compute_response_logprobs, make_logprob_fn, response_logprobs
+from mppo.workers.loss_selection import fused_actor_loss, select_loss_path
 from mppo.workers.optim import build_lr_scheduler, build_optimizer, current_lr, wrap_with_ddp
 from mppo.workers.pipeline import broadcast_from_last_stage
 from mppo.workers.training import TrainLoop
@@ -42,6 +46,7 @@ from mppo.workers.training import TrainLoop
 # Policy losses that average over ALL rows of what they are given and ignore GlobalBatchInfo (veRL quirk):
 # their micro-batch row mean is rescaled to its share of the global mini-batch's row mean.
 ROW_MEAN_LOSSES = ("geo_mean",)
+log = logging.getLogger("mppo")
 ACTOR_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/pg_clipfrac", "actor/ppo_kl",
                  "actor/pg_clipfrac_lower")
 
@@ -98,6 +103,9 @@ class ActorWorker:
             self.policy_loss_fn = compute_policy_loss_bypass_mode
             self.policy_params = replace(self.policy_params, rollout_correction=rollout_correction)
         self.logprob_fn = make_logprob_fn(actor_cfg.logprob_impl, actor_cfg.kernel_backend)
+        self.loss_path = select_loss_path(actor_cfg, rollout_correction_bypass=self.bypass)
+        if dims.rank == 0:
+            log.info("actor loss: %s", self.loss_path.describe())
         self.hf_args, chunks, self.dtype = build_role_model(hf_dir, dims, role="actor", model_cfg=model_cfg,
                                                             megatron=actor_cfg.megatron)
         use_dist_opt = bool(actor_cfg.megatron.use_distributed_optimizer)
@@ -193,6 +201,15 @@ class ActorWorker:
         cfg, dp = self.cfg, info.dp_size
 
         def loss_fn(hidden: torch.Tensor):
+            if self.loss_path.fused:  # the gradient-in-forward kernel (mppo.workers.loss_selection)
+                loss, contributions, finite, log_prob = fused_actor_loss(
+                    model, hidden, data, cfg, info, params=self.policy_params, temperature=temperature,
+                    vocab_size=self.hf_args.vocab_size)
+                for key, value in contributions.items():
+                    metrics.add(key, value)
+                if not finite:
+                    metrics.loss_nonfinite = 1.0
+                return loss, ({"log_probs": log_prob} if record_log_probs else {})
             log_prob, entropy = response_logprobs(model, hidden, data, self.logprob_fn, temperature=temperature,
                                                   vocab_size=self.hf_args.vocab_size, compute_entropy=True)
             mask = data["response_mask"]

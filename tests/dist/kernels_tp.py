@@ -8,14 +8,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from mppo.kernels import fused_linear_logprob_entropy
+from mppo.kernels import fused_linear_logprob_entropy, fused_linear_ppo_loss
 from mppo.kernels.reference import naive_linear_logprob_entropy
 from mppo.parallel import cpu_compat
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the fused PPO loss's reference
+from test_kernels_ppo import GLOBAL_INFO, Knobs, make_problem, reference, spec_for  # noqa: E402
 
 
 def _case(name, results, *, backend, n, hidden_size, local_vocab, temperature=1.0, valid=None, chunk=None,
@@ -63,6 +67,29 @@ def _case(name, results, *, backend, n, hidden_size, local_vocab, temperature=1.
     results[name] = out
 
 
+def _ppo_case(name, results, *, backend, local_vocab, valid=None, dtype=torch.float32, group=None, **knobs):
+    """The fused PPO loss with this rank's vocab shard vs the unsharded float64 reference path."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    k = Knobs(valid_vocab=valid, **knobs)
+    p = make_problem(b=5, t=9, h=24, vocab=local_vocab * world, valid_vocab=valid, seed=21, dtype=dtype,
+                     temperature=k.temperature)  # the same problem on every rank
+    rows = slice(rank * local_vocab, (rank + 1) * local_vocab)
+    h = p.hidden.clone().requires_grad_()
+    w = p.weight[rows].clone().requires_grad_()
+    out = fused_linear_ppo_loss(h, w, p.labels, spec_for(p, k), temperature=k.temperature, tp_group=group,
+                                valid_vocab_size=valid, chunk_rows=13, block_cols=40, backend=backend)
+    out.loss.backward()
+    loss, stats, lp, ent, grad_h, grad_w = reference(
+        type(p)(**{**vars(p), "hidden": p.hidden.double(), "weight": p.weight.double()}), k)
+
+    def err(a, b):
+        return float((a.detach().double() - b).abs().max() / (b.abs().max() + 1e-12))
+
+    results[name] = {"loss": err(out.loss, loss), "stats": err(out.stats, stats), "log_prob": err(out.log_probs, lp),
+                     "entropy": err(out.entropy, ent), "grad_hidden": err(h.grad, grad_h),
+                     "grad_weight": err(w.grad, grad_w[rows]), "no_grad_has_graph": 0.0}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -79,6 +106,12 @@ def main() -> None:
     _case("torch_no_entropy", results, backend="torch", compute_entropy=False, **common)
     if os.environ.get("TRITON_INTERPRET") == "1":
         _case("triton_padded", results, backend="triton", temperature=1.3, valid=100, **common)
+    ppo = dict(local_vocab=53, group=group)
+    _ppo_case("ppo_torch", results, backend="torch", mode="seq-mean-token-mean", info=GLOBAL_INFO,
+              temperature=0.8, **ppo)
+    _ppo_case("ppo_torch_padded_empty_shard", results, backend="torch", valid=40, on_policy=True, **ppo)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _ppo_case("ppo_triton_padded", results, backend="triton", valid=100, kl_type="k2", **ppo)
     # megatron's TP mappings allocate on CUDA; on CPU they need the compat layer that init_distributed installs
     cpu_compat.install()
     _case("naive_megatron_mappings", results, backend="naive", temperature=0.9, valid=100, **common)

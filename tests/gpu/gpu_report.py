@@ -1,4 +1,5 @@
-"""Measured numbers of the GPU tier, kept as JSON for the device-check script to collect."""
+"""Measured numbers of the GPU tier, kept as JSON for the device-check script to collect, and how peak memory is
+measured."""
 from __future__ import annotations
 
 import json
@@ -13,3 +14,15 @@ def report(name: str, data: dict) -> None:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
     print(json.dumps(data, default=str))
+
+
+def peak_mib(fn) -> float:
+    """Peak CUDA memory allocated while `fn()` runs, beyond what was allocated before, in MiB."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20

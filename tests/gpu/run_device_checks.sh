@@ -4,8 +4,8 @@
 # machine cannot reach an index. Results: $OUT/log.txt, $OUT/doctor.json, $OUT/bench_kernels.json,
 # $OUT/bench_attention.json, $OUT/reports/*.json (numbers the tests measured).
 #   OUT=/tmp/gpu-out bash tests/gpu/run_device_checks.sh
-# STAGES picks stages (default "doctor tests bench", sized for one call of <= 8 minutes; also "tune" and "attention",
-# ~2 minutes each), GPU_TESTS the pytest targets, BENCH_IMPLS the kernels compared.
+# STAGES picks stages (default "doctor tests bench", sized for one call of <= 9 minutes: 90 + 300 + 150 s; also
+# "tune", "tune-ppo" and "attention", ~2 minutes each), GPU_TESTS the pytest targets, BENCH_IMPLS the kernels compared.
 set -u
 OUT="${OUT:-/tmp/mppo-gpu-checks}"
 mkdir -p "$OUT/reports"
@@ -34,12 +34,12 @@ if [[ " $STAGES " == *" doctor "* ]]; then
 fi
 
 if [[ " $STAGES " == *" tests "* ]]; then
-  # 480 s: main's stages (SDPA parity, actor throughput) plus the SGLang trainer test, which runs only when SGLang
-  # is installed (the device has no package index); without it the stage fits in main's 420 s.
+  # The SGLang trainer test in tests/gpu/test_gpu_trainer.py runs only when SGLang is installed (the device has no
+  # package index); with it, give the stage a call of its own (STAGES=tests, engine start-up is 20-60 s).
   stage "GPU tests (megatron SDPA/local vs HF, actor 0.5B/1.5B at 4k, trainer GPU vs CPU and on SGLang, kernels)"
   # shellcheck disable=SC2086  # GPU_TESTS is a list of paths
-  timeout 480 "$PY" -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu tests/test_kernels_triton.py} \
-    --timeout=470 -o addopts="-ra --durations=10"
+  timeout 300 "$PY" -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu tests/test_kernels_triton.py} \
+    --timeout=290 -o addopts="-ra --durations=10"
   echo "pytest rc=$?"
 fi
 
@@ -48,10 +48,15 @@ if [[ " $STAGES " == *" tune "* ]]; then
   timeout 120 "$PY" tests/gpu/tune_logprob_triton.py | tee "$OUT/tune_logprob.json"
 fi
 
+if [[ " $STAGES " == *" tune-ppo "* ]]; then
+  stage "fused PPO loss (gradient in the forward): chunk sizes vs Liger, 16384 x 2048"
+  timeout 150 "$PY" tests/gpu/tune_ppo_loss.py | tee "$OUT/tune_ppo_loss.json"
+fi
+
 if [[ " $STAGES " == *" bench "* ]]; then
   stage "kernel benchmark"
-  timeout 110 "$PY" -m mppo bench kernels --device cuda --cases 8192x896,16384x2048 --vocab 151936 \
-    --impls "${BENCH_IMPLS:-naive,torch,triton,liger}" --json "$OUT/bench_kernels.json"
+  timeout 150 "$PY" -m mppo bench kernels --device cuda --cases 8192x896,16384x2048 --vocab 151936 \
+    --impls "${BENCH_IMPLS:-naive,triton,ppo-triton,liger,liger-grpo}" --json "$OUT/bench_kernels.json"
   echo "bench rc=$?"
 fi
 if [[ " $STAGES " == *" attention "* ]]; then
