@@ -21,11 +21,12 @@ SGLANG = ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.te
 OFFLOAD = ["actor_rollout_ref.actor.megatron.param_offload=true",
            "actor_rollout_ref.actor.megatron.optimizer_offload=true"]
 
-# One generation phase: weights back, the push session, trainer state out, KV cache back, generate, all released,
-# trainer state back (mppo.rollout.factory's docstring).
+# One generation phase: weights back, the push session, trainer state out, KV cache back, generate, all released
+# (once flush_cache says the scheduler is idle), trainer state back (mppo.rollout.factory's docstring).
 GENERATION = (r"resume_memory_occupation\(weights\) begin_weight_update (update_weights_from_tensor )+"
               r"end_weight_update flush_cache trainer_state\.offload resume_memory_occupation\(kv_cache,cuda_graph\) "
-              r"(generate )+release_memory_occupation\(kv_cache,weights,cuda_graph\) trainer_state\.reload ")
+              r"(generate )+(flush_cache )+release_memory_occupation\(kv_cache,weights,cuda_graph\) "
+              r"trainer_state\.reload ")
 
 
 @pytest.fixture(scope="module")

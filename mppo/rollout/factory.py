@@ -25,7 +25,8 @@ Memory choreography of one generation phase (veRL/slime's, for co-located engine
                                                                params + grad buffers / optimizer states to host)
                    4. engine resumes its KV cache             (resume_memory_occupation(["kv_cache", "cuda_graph"]))
     generate:      5. generate
-    release:       6. engine frees weights, KV cache, CUDA graphs  (release_memory_occupation)
+    release:       6. engine frees weights, KV cache, CUDA graphs  (flush_cache until the scheduler is idle,
+                                                                    release_memory_occupation)
                    7. bring the trainer state back                  (before the log-prob passes and updates)
 
 On the CPU neither half frees anything: SGLang's release/resume need torch_memory_saver, a CUDA library

@@ -27,6 +27,7 @@ Start-up failures become one EngineStartError (mppo.rollout.sglang_startup), wit
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -50,6 +51,8 @@ from mppo.rollout.sglang_protocol import (
 )
 
 T = TypeVar("T")
+# How long release() waits for SGLang's scheduler to retire the last generate's batch (normally milliseconds).
+RELEASE_IDLE_TIMEOUT_S = 60.0
 
 
 class RolloutGroup:
@@ -219,7 +222,21 @@ class SGLangRolloutEngine(RolloutEngine):
 
     # ---- memory -----------------------------------------------------------------------------------------------
     def _release_memory(self) -> None:
-        self._on_driver(lambda: self._engine.release_memory_occupation(tags=RELEASE_TAGS))
+        self._on_driver(self._release_when_idle)
+
+    def _release_when_idle(self) -> None:
+        """release_memory_occupation once SGLang's scheduler is idle. Its generate() returns as soon as the outputs
+        are out, but the scheduler may not yet have retired the finished batch (its overlap loop processes a
+        batch's results one iteration later), and release_memory_occupation asserts idleness: the scheduler
+        process dies. flush_cache checks the same condition without failing (and empties the radix cache, which
+        a release discards anyway), so it is retried until it succeeds."""
+        deadline = time.monotonic() + RELEASE_IDLE_TIMEOUT_S
+        while not _succeeded(self._engine.flush_cache()):
+            if time.monotonic() > deadline:
+                raise SGLangError(f"SGLang's scheduler was not idle {RELEASE_IDLE_TIMEOUT_S:.0f} s after generate "
+                                  "returned; cannot release its memory")
+            time.sleep(0.01)
+        self._engine.release_memory_occupation(tags=RELEASE_TAGS)
 
     def _resume_weight_memory(self) -> None:
         self._on_driver(lambda: self._engine.resume_memory_occupation(tags=RESUME_WEIGHT_TAGS))
@@ -251,3 +268,8 @@ class SGLangRolloutEngine(RolloutEngine):
         if shared[1] is not None:
             raise SGLangError(f"the rollout-TP group's driver rank {self._group.driver_rank} failed: {shared[1]}")
         return result if self._group.is_driver else shared[0]
+
+
+def _succeeded(result: Any) -> bool:
+    """An SGLang control call's success flag ((success, message) tuple or .success)."""
+    return bool(result[0] if isinstance(result, tuple) else getattr(result, "success", False))
