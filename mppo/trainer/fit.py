@@ -144,9 +144,13 @@ class PPOTrainer:
         log.info("resumed from %s (step %d)", info.path, self.step)
 
     def save_checkpoint(self) -> None:
-        writers = {"actor": lambda d: self._save_worker(self.actor, d)}
+        # The tokenizer files and generation_config.json go with each model, so `mppo convert mcore-to-hf` of a
+        # step's actor/ gives a directory that loads and generates as is.
+        model = self.cfg.actor_rollout_ref.model
+        tokenizer_dir = model.tokenizer_path or model.path
+        writers = {"actor": lambda d: self._save_worker(self.actor, d, tokenizer_dir=tokenizer_dir)}
         if self.critic is not None:
-            writers["critic"] = lambda d: self._save_worker(self.critic, d)
+            writers["critic"] = lambda d: self._save_worker(self.critic, d, tokenizer_dir=tokenizer_dir)
         state = {"step": self.step, "data": self.data.train_loader.state_dict(),
                  "kl_ctrl": self.kl_ctrl.state_dict(), "skipped_steps": self.skipped_steps,
                  "consecutive_skips": self.consecutive_skips}
