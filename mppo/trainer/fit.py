@@ -265,11 +265,13 @@ class PPOTrainer:
         metrics = compute_data_metrics(full, max_response_length=self.cfg.data.max_response_length,
                                        max_prompt_length=self.cfg.data.max_prompt_length)
         metrics.update(timer.metrics())
-        num_tokens = int(full["prompt_mask"].sum().item() + full["response_mask"].sum().item())
-        flops = ppo_step_flops(self.num_parameters, num_tokens, use_critic=self.use_critic, use_ref=self.use_ref,
-                               old_log_prob_pass=not self.reuse_old_log_prob)
+        response_tokens = int(full["response_mask"].sum().item())
+        num_tokens = int(full["prompt_mask"].sum().item()) + response_tokens
+        self.step_flops = ppo_step_flops(self.actor.hf_args, prompt_tokens=num_tokens - response_tokens,
+                                         response_tokens=response_tokens, use_critic=self.use_critic,
+                                         use_ref=self.use_ref, old_log_prob_pass=not self.reuse_old_log_prob)
         metrics.update(perf_metrics(num_tokens=num_tokens, step_seconds=timer.seconds["step"],
-                                    world_size=self.dims.world, flops=flops, device=self.device))
+                                    world_size=self.dims.world, flops=self.step_flops, device=self.device))
         errors = all_gather_rows(batch["reward_errors"], self.io.dp_group)
         metrics["reward/errors"] = float(errors.sum().item())
         return metrics
