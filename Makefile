@@ -1,4 +1,5 @@
-# The two front doors: `make demo` (CPU demo run) and `make test` (the whole test suite, as CI runs it).
+# The front doors: `make demo` (RL on a real pretrained model on the CPU), `make demo-tiny` (the from-scratch tiny
+# model, the fast path) and `make test` (the whole test suite, as CI runs it).
 # Both create .venv when missing and install mppo with the CPU constraints (torch pinned to the CPU wheel).
 PY ?= python3
 VENV ?= .venv
@@ -7,7 +8,7 @@ CONSTRAINTS ?= constraints-cpu.txt
 STAMP := $(VENV)/.mppo-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-gpu install clean
+.PHONY: demo demo-tiny test test-gpu install clean
 
 install: $(STAMP)
 
@@ -21,7 +22,10 @@ $(STAMP): setup.py $(CONSTRAINTS)
 	touch $@
 
 demo: $(STAMP)
-	PATH="$(abspath $(BIN)):$$PATH" bash launch/demo_cpu.sh
+	PATH="$(abspath $(BIN)):$$PATH" bash launch/demo.sh
+
+demo-tiny: $(STAMP)
+	PATH="$(abspath $(BIN)):$$PATH" RUN_DIR="$${RUN_DIR:-runs/demo-tiny}" bash launch/demo_cpu.sh
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
