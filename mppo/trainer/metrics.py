@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import resource
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -111,7 +112,18 @@ def perf_metrics(*, num_tokens: int, step_seconds: float, world_size: int, flops
     per_rank = num_tokens / max(step_seconds, 1e-9) / world_size
     mfu = flops / (peak_flops(device) * world_size * max(step_seconds, 1e-9))
     return {"perf/total_num_tokens": float(num_tokens), "perf/time_per_step": step_seconds,
-            "perf/throughput": per_rank, "perf/mfu": mfu}
+            "perf/throughput": per_rank, "perf/mfu": mfu, **memory_metrics(device)}
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """This rank's peak memory so far, in GiB: on a GPU veRL's `perf/max_memory_allocated_gb` and
+    `perf/max_memory_reserved_gb` (torch's caching allocator); on the CPU `perf/cpu_memory_peak_gb`, the process's
+    peak resident set (getrusage's ru_maxrss, KiB on Linux): everything the rank ever held at once, Python, the
+    libraries and the allocator's free-but-kept pages included - what `mppo plan` predicts for a CPU rank."""
+    if device.type == "cuda":
+        return {"perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+                "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30}
+    return {"perf/cpu_memory_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 # ------------------------------------------------------------------------------------------------- sinks

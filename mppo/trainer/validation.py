@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 def validate(trainer: "PPOTrainer", dataset: RLDataset) -> dict[str, float]:
     """Mean score per data source over the whole validation set (every rank gets the same numbers), and the
     seconds it took (weight sync, generation and scoring)."""
-    start = time.perf_counter()
+    began = time.perf_counter()
     cfg, io = trainer.cfg, trainer.io
     trainer.sync_weights()
     batch_size = cfg.data.val_batch_size or len(dataset)
@@ -42,5 +42,5 @@ def validate(trainer: "PPOTrainer", dataset: RLDataset) -> dict[str, float]:
         trainer.engine.release()
     totals = all_gather_rows(torch.stack([score_sum, count]).unsqueeze(0), io.dp_group).sum(0)
     metrics = {f"val/test_score/{s}": (totals[0, i] / totals[1, i].clamp(min=1)).item() for s, i in source_id.items()}
-    metrics["timing_s/testing"] = time.perf_counter() - start
+    metrics["timing_s/testing"] = time.perf_counter() - began
     return metrics
