@@ -59,10 +59,7 @@ if [[ -d "$last" ]]; then
     say "3/4 GRPO: $STEPS steps already done, skipping"
 else
     say "3/4 GRPO: torchrun --nproc_per_node 2 -m mppo train configs/demo.yaml ($STEPS steps)"
-    rendezvous=(--standalone)  # a local rendezvous on a free port
-    if [[ -n "${MASTER_PORT:-}" ]]; then rendezvous=(--master_addr 127.0.0.1 --master_port "$MASTER_PORT"); fi
-    "$PYTHON" -m torch.distributed.run --nproc_per_node 2 "${rendezvous[@]}" -m mppo train configs/demo.yaml \
-        trainer.total_training_steps="$STEPS" trainer.seed="$SEED" "$@"
+    train_two_ranks configs/demo.yaml trainer.total_training_steps="$STEPS" trainer.seed="$SEED" "$@"
     took GRPO
 fi
 

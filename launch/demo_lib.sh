@@ -7,6 +7,17 @@ DEMO_START=$SECONDS
 stage_start=$SECONDS
 took() { say "    $1 took $((SECONDS - stage_start)) s"; stage_start=$SECONDS; }
 
+# `mppo train CONFIG [key=value ...]` on 2 local ranks under torchrun, the config validated in one process first:
+# a mistake in an override is then one line instead of a line buried in torchrun's report of each failed rank.
+train_two_ranks() {
+    local config=$1
+    shift
+    WORLD_SIZE=2 RANK=0 "$PYTHON" -m mppo train "$config" "$@" --dry-run >/dev/null
+    local rendezvous=(--standalone)  # a local rendezvous on a free port
+    if [[ -n "${MASTER_PORT:-}" ]]; then rendezvous=(--master_addr 127.0.0.1 --master_port "$MASTER_PORT"); fi
+    "$PYTHON" -m torch.distributed.run --nproc_per_node 2 "${rendezvous[@]}" -m mppo train "$config" "$@"
+}
+
 # The validation score of the first and the last validated step, per data source, from metrics.jsonl.
 print_summary() {
     "$PYTHON" - "$RUN_DIR" <<'EOF'
