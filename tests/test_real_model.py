@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,9 @@ def test_pp2_round_trips_bitwise_and_log_probs_match_hf(smollm2, tmp_path):
 SHORT_ENV = {"DEMO_STEPS": "2", "DEMO_TRAIN_SIZE": "16", "DEMO_TEST_SIZE": "8", "DEMO_SEED": "1"}
 SHORT_OVERRIDES = ["data.train_batch_size=4", "data.val_batch_size=8", "data.max_response_length=16",
                    "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=2",
+                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                   "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+                   "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
                    "actor_rollout_ref.rollout.val_kwargs.n=1", "trainer.test_freq=1", "trainer.logger=[console]"]
 
 
@@ -109,8 +113,10 @@ def test_demo_grpo_smoke_run_trains_and_exports(smollm2, tmp_path):
     run = tmp_path / "demo"
     shutil.copytree(smollm2, run / "model")  # stage 1 (the conversion) is the fixture's; the script skips it
     env = {**os.environ, **SHORT_ENV, "RUN_DIR": str(run), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    began = time.monotonic()
     proc = subprocess.run(["bash", "launch/demo.sh", *SHORT_OVERRIDES], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=1500)
+    wall = time.monotonic() - began
     assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     out = proc.stdout
     assert "1/4 model: " in out and "skipping" in out and "2/4 data: mppo data multiply" in out
@@ -121,10 +127,21 @@ def test_demo_grpo_smoke_run_trains_and_exports(smollm2, tmp_path):
                     "timing_s/update_actor", "response_length/mean"):
             assert key in m[step], (step, key)
         assert 0 < m[step]["perf/mfu"] < 1
-    assert "timing_s/testing" in m[0] and "val/test_score/multiply" in m[2]
+    assert "val/test_score/multiply" in m[2]
+    for step in (0, 2):  # validation's wall time: positive, and well within the demo's
+        assert 0 < m[step]["timing_s/testing"] < wall / 2, (step, m[step]["timing_s/testing"], wall)
     before, after = m[0]["val/test_score/multiply"], m[2]["val/test_score/multiply"]
     assert f"val/test_score/multiply: {before:.3f} (step 0) -> {after:.3f} (step 2)" in out
     assert sorted(p.name for p in (run / "checkpoints").glob("global_step_*")) == ["global_step_2"]
+
+    # `mppo plan` of the same config: within 15% of rank 0's measured peak resident set
+    plan = subprocess.run([sys.executable, "-m", "mppo", "plan", "configs/demo.yaml", *SHORT_OVERRIDES, "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "RUN_DIR": str(run), "PYTHONPATH": str(REPO)})
+    assert plan.returncode == 0, plan.stderr
+    planned = json.loads(plan.stdout)["training_peak"] / 2**30
+    measured = max(m[step]["perf/cpu_memory_peak_gb"] for step in (1, 2))
+    assert abs(planned - measured) <= 0.15 * measured, (planned, measured)
 
     # the exported actor loads as is (weights, tokenizer with its chat template, generation config) and answers
     hf = run / "hf"

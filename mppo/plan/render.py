@@ -63,13 +63,15 @@ def render_text(p: Plan) -> str:
     stage = p.roles[0].stage
     add("")
     add(f"memory per {unit} (pipeline stage {stage} of {p.roles[0].layout.pp}: the fullest)")
-    rows = [row for r in p.roles for row in _state_rows(r, p.dtype)]
-    if p.runtime_reserve:
-        rows.append(("runtime reserve", "CUDA context, NCCL buffers, fragmentation (rule of thumb)", p.runtime_reserve))
+    rows = [row for r in p.roles for row in _state_rows(r, p.dtype)] + _host_rows(p)
     for name, note, value in rows:
         add(f"  {name:<18} {size(value):>10}  {note}")
     add(f"  {'resident':<18} {size(p.resident):>10}")
-    add("training phase (the engine has released its memory): working set on top of the resident state")
+    if p.engine_resident:
+        add("training phase (the engine keeps its weights, frees its KV cache): working set on top of the resident "
+            "state")
+    else:
+        add("training phase (the engine has released its memory): working set on top of the resident state")
     for r in p.roles:
         if r.layout.trains:
             lay = r.layout
@@ -81,6 +83,9 @@ def render_text(p: Plan) -> str:
     lp = p.logprob
     add(f"  log-prob working set ({lp.tokens:g} tokens): fused kernel {size(lp.fused_bytes)}, naive [tokens x vocab] "
         f"logits {size(lp.naive_bytes)} (configured: {lp.impl})")
+    if p.allocator_retained:
+        add(f"  {'allocator keeps':<20} {size(p.allocator_retained):>10}  the previous update's freed activations "
+            "(glibc's heap: a CPU rank's resident set holds them beside the next update's)")
     verdict = "fits" if p.fits_training else "DOES NOT FIT"
     add(f"  peak ({PHASE_TEXT[p.peak_phase]}): {size(p.training_peak)} of {size(p.device.memory_bytes)}: {verdict}")
     add(_rollout_text(p))
@@ -100,6 +105,19 @@ def render_text(p: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _host_rows(p: Plan) -> list[tuple[str, str, float]]:
+    """The resident memory besides the models' state: the runtime, and the CPU engine's weights."""
+    rows = []
+    if p.runtime_reserve and p.device.peak_flops:
+        rows.append(("runtime reserve", "CUDA context, NCCL buffers, fragmentation (rule of thumb)", p.runtime_reserve))
+    elif p.runtime_reserve:
+        rows.append(("process", "Python, torch, megatron-core, transformers, data (measured)", p.runtime_reserve))
+    if p.engine_resident:
+        rows.append(("engine weights", f"CPU engine, fp32 HF layout (TP{p.rollout.engine_tp}), kept between syncs",
+                     p.engine_resident))
+    return rows
+
+
 def _rollout_text(p: Plan) -> str:
     r = p.rollout
     if r.engine == "sglang":
@@ -111,7 +129,9 @@ def _rollout_text(p: Plan) -> str:
     kv = (f"{gib(r.kv_cache)} GiB = {r.kv_tokens / 1e3:.0f}k tokens = {r.concurrent_sequences} sequences at once"
           if r.kv_cache > 0 else f"none ({gib(r.kv_cache)} GiB): the engine cannot start")
     waves = math.ceil(r.sequences_per_engine / r.concurrent_sequences) if r.concurrent_sequences else 0
-    return (f"{head}\n  resident {gib(r.resident)} GiB + engine weights (TP{r.engine_tp}) {gib(r.weights)} GiB + "
+    weights = (f"(engine weights included) + " if p.engine_resident
+               else f"+ engine weights (TP{r.engine_tp}) {gib(r.weights)} GiB + ")
+    return (f"{head}\n  resident {gib(r.resident)} GiB {weights}"
             f"KV cache {kv}\n  each engine generates {r.sequences_per_engine} sequences per step"
             + (f" in {waves} wave(s)" if waves else "") + f": {'fits' if r.fits else 'DOES NOT FIT'}")
 
@@ -143,10 +163,15 @@ def render_markdown(plans: list[Plan]) -> str:
         out += ["", f"**`{p.source}`** ({p.model}, {p.dtype}, {p.device.name}, pipeline stage {p.roles[0].stage}):", "",
                 "| per GPU | GiB | |", "|---|---:|---|"]
         rows = [row for r in p.roles for row in _state_rows(r, p.dtype)]
-        if p.runtime_reserve:
+        if p.runtime_reserve and p.device.peak_flops:
             rows.append(("runtime reserve", "CUDA context, NCCL, fragmentation", p.runtime_reserve))
+        elif p.runtime_reserve:
+            rows.append(("process", "Python, libraries, data (measured)", p.runtime_reserve))
         rows += [(f"{PHASE_TEXT[k]} working set", "training phase", v) for k, v in p.training_phases.items()]
-        rows += [("engine weights", f"rollout phase, TP{p.rollout.engine_tp}", p.rollout.weights),
+        if p.allocator_retained:
+            rows.append(("allocator keeps", "training phase: the previous update's freed activations", p.allocator_retained))
+        rows += [("engine weights", f"{'kept through training' if p.engine_resident else 'rollout phase'}, "
+                                    f"TP{p.rollout.engine_tp}", p.rollout.weights),
                  ("engine KV cache", f"rollout phase, {p.rollout.kv_tokens / 1e3:.0f}k tokens", p.rollout.kv_cache)]
         out += [f"| {name} | {gib(value)} | {note} |" for name, note, value in rows]
         for s in p.suggestions[:3]:
