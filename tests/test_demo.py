@@ -73,3 +73,20 @@ def test_demo_runs_every_stage_deterministically_and_skips_finished_ones(tmp_pat
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "mppo: error: " in proc.stderr and "data.train_batch_size" in proc.stderr
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_shortened_demo_learns(tmp_path):
+    """The demo's recipe, shortened to ~2 minutes (a smaller warm-up and model, 30 PPO steps): the sampled
+    validation score on 128 held-out problems rises (measured: 0.120 -> 0.267 with seed 0), and responses end
+    with EOS rather than running to max_response_length."""
+    run = tmp_path / "learn"
+    env = {**os.environ, "RUN_DIR": str(run), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "DEMO_SEED": "0",
+           "DEMO_SFT_STEPS": "600", "DEMO_HIDDEN": "64", "DEMO_STEPS": "30", "DEMO_TEST_SIZE": "128"}
+    proc = subprocess.run(["bash", "launch/demo_cpu.sh", "trainer.test_freq=30", "trainer.save_freq=-1",
+                           "trainer.logger=[console]"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    m = step_metrics(run)
+    before, after = m[0]["val/test_score/countdown"], m[30]["val/test_score/countdown"]
+    assert after - before >= 0.08, (before, after)
+    assert max(m[step]["response_length/clip_ratio"] for step in range(21, 31)) < 0.5

@@ -11,9 +11,9 @@ Rows use veRL/TinyZero's parquet format:
 
 Templates: "base" and "qwen-instruct" are TinyZero's (the answer in `<answer>` tags, style "rule"); "short" keeps
 the question and the assistant turn of "base" (tiny models on CPU); "chat" is the plain question as a user message
-for instruct models: the tokenizer's own chat template is applied when the prompts are tokenized (RLDataset,
-data.apply_chat_template auto), and the rows' reward style is "natural" (mppo.rewards.answer: the model's own way of
-answering is scored, `<answer>` tags or not).
+for instruct models: the tokenizer's own chat template is applied when the prompts are tokenized (RLDataset
+does so when the tokenizer has one), and the rows' reward style is "natural" (mppo.rewards.answer: the model's
+own way of answering is scored, `<answer>` tags or not).
 
 `extra_info.solution` is an answer that earns the full score (a countdown expression, or the product): handy for
 a supervised warm-up and for checking the data.
