@@ -339,7 +339,7 @@ def features(report: Report) -> list[Check]:
         out.append(_from_selftest("GPU training (NCCL)", c["NCCL all-reduce"]))
     for feature, package, test, fallback in (
             ("Transformer Engine layers", "Transformer Engine", "Transformer Engine layer",
-             "megatron-core's local layers are used (model.transformer_impl=local)"),
+             "megatron-core's local layers with SDPA attention are used (model.transformer_impl=sdpa)"),
             ("SGLang rollout", "SGLang", None, "rollout.name=cpu runs without it (tests, demo)"),
             ("Triton kernels on GPU", "Triton", "Triton fused log-prob",
              "kernel_backend=torch runs everywhere; on CPU Triton runs only under TRITON_INTERPRET=1")):

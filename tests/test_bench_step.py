@@ -122,11 +122,18 @@ def test_trl_compare_settings_are_a_valid_mppo_config(tmp_path):
     assert (cfg.algorithm.adv_estimator, actor.use_kl_loss, cfg.algorithm.use_kl_in_reward) == ("grpo", False, False)
     assert (actor.optim.lr, actor.optim.weight_decay, actor.ppo_mini_batch_size) == (1e-3, 0.0, 8)
     assert cfg.trainer.seed == 3 and not cfg.data.shuffle
-    run = [{"seconds": 2.0, "tokens": 100, "reward": 0.1, "response_length": 5},
-           {"seconds": 1.0, "tokens": 300, "reward": 0.3, "response_length": 7}]
+    assert not cfg.actor_rollout_ref.rollout.ignore_eos
+    fixed = trl_compare.mppo_spec(trl_compare._parser().parse_args(["--fixed-length"]), tmp_path, tmp_path, seed=3)
+    assert load_config(fixed["config"], fixed["overrides"], world_size=2).actor_rollout_ref.rollout.ignore_eos
+    run = [{"seconds": 2.0, "tokens": 100, "reward": 0.1, "response_length": 5, "generation_seconds": 1.0,
+            "response_tokens": 40},
+           {"seconds": 1.0, "tokens": 300, "reward": 0.3, "response_length": 7, "generation_seconds": 0.25,
+            "response_tokens": 50}]
     other = [{**s, "reward": s["reward"] + 0.2} for s in run]
     summary = trl_compare.side_summary([run, other], 1)
     assert summary["tokens_per_s"] == 300 and summary["tokens_per_s_all"] == pytest.approx(400 / 3)
+    assert summary["generation_tokens_per_s"] == pytest.approx(200) and summary["update_tokens_per_s"] == 400
+    assert (summary["median_generation_s"], summary["median_update_s"]) == (0.25, 0.75)
     assert (summary["reward_last"], summary["reward_last_min"], summary["reward_last_max"]) == pytest.approx(
         (0.4, 0.3, 0.5))
     assert "4.00x" in trl_compare.render(summary, {**summary, "tokens_per_s": 75.0}, 1)
@@ -161,6 +168,21 @@ def test_bench_step_runs_ppo_and_grpo_and_counts_every_token(tmp_path):
             assert 0 < counts["real"] <= counts["processed"]
         summary = result["summaries"][estimator]
         assert summary["tokens_per_s"] > 0 and 0 < summary["mfu"] < 1
+
+
+def test_bench_generation_runs_both_sides_to_the_exact_length(tmp_path):
+    out = tmp_path / "gen.json"
+    env = {**os.environ, "MPPO_BENCH_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "mppo", "bench", "generation", "--hidden", "32", "--layers", "1", "--prompts", "3",
+           "--n", "2", "--length", "5", "--threads", "1,2", "--repeats", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "mppo/HF" in proc.stdout and "3 countdown prompts" in proc.stdout
+    result = json.loads(out.read_text())
+    for threads in ("1", "2"):
+        for side in ("mppo", "hf"):
+            (run,) = result["threads"][threads]["runs"][side]
+            assert run["tokens"] == 3 * 2 * 5 and run["seconds"] > 0  # the bench also refuses a wrong count
 
 
 def test_token_counter_is_reset_and_totals():

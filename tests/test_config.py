@@ -87,6 +87,11 @@ VERL_DEFAULTS = {
     # not veRL's (null: every checkpoint kept, 15 GB after 7 of a 135M model with its optimizer): mppo keeps the
     # newest 2 by default (issue 14)
     "trainer.max_ckpt_to_keep": 2,
+    "algorithm.rollout_correction.rollout_is": None, "algorithm.rollout_correction.rollout_is_threshold": 2.0,
+    "algorithm.rollout_correction.rollout_rs": None, "algorithm.rollout_correction.rollout_rs_threshold": None,
+    "algorithm.rollout_correction.bypass_mode": False, "algorithm.rollout_correction.loss_type": "ppo_clip",
+    "algorithm.rollout_correction.rollout_is_batch_normalize": False,
+    "actor_rollout_ref.rollout.ignore_eos": False,
 }
 
 
@@ -241,7 +246,7 @@ def test_yaml_file_problems(tmp_path):
     ("critic.loss_agg_mode=seq-mean", "critic.loss_agg_mode = 'seq-mean' is not a known loss aggregation mode"),
     (f"{ACTOR}.kl_loss_type=low_var", f"{ACTOR}.kl_loss_type = 'low_var' is not a known KL estimator"),
     ("algorithm.kl_penalty=k4", "algorithm.kl_penalty = 'k4' is not a known KL estimator"),
-    ("actor_rollout_ref.model.transformer_impl=tee", "choose one of: auto, local, te"),
+    ("actor_rollout_ref.model.transformer_impl=tee", "choose one of: auto, local, sdpa, te"),
     ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.name = 'vllm' is not a known value"),
     ("trainer.logger=[console,mlflow]", "trainer.logger = 'mlflow' is not a known value"),
     (f"{ACTOR}.megatron.recompute=some", "choose one of: full, none, selective"),
@@ -408,11 +413,92 @@ def test_other_algorithm_errors():
                                                        "trainer.device=cpu")
 
 
+RC = "algorithm.rollout_correction"
+
+
+def test_rollout_correction_settings_parse():
+    cfg = load(f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=0.5_5.0", f"{RC}.rollout_rs=token_k1,seq_mean_k3",
+               f"{RC}.rollout_rs_threshold=0.5_2.0,0.01", f"{RC}.rollout_is_batch_normalize=true")
+    rc = cfg.algorithm.rollout_correction
+    assert (rc.rollout_is, rc.rollout_is_threshold, rc.rollout_rs) == ("token", "0.5_5.0", "token_k1,seq_mean_k3")
+    assert rc.rollout_rs_threshold == "0.5_2.0,0.01" and rc.rollout_is_batch_normalize is True
+    # a number is a number (an integer too), and YAML 1.1's digit separators do not eat the '_' of bounds
+    assert load(f"{RC}.rollout_is_threshold=3").algorithm.rollout_correction.rollout_is_threshold == 3.0
+    assert load(f"{RC}.rollout_rs=seq_sum_k2", f"{RC}.rollout_rs_threshold=2").algorithm.rollout_correction \
+        .rollout_rs_threshold == 2.0
+
+
+def test_rollout_correction_in_a_file_keeps_its_bounds(tmp_path):
+    path = write(tmp_path, "algorithm:\n  rollout_correction:\n    rollout_is: sequence\n"
+                           "    rollout_is_threshold: 5_10\n")
+    assert load(path=path).algorithm.rollout_correction.rollout_is_threshold == "5_10"  # IcePop [5, 10], not 510
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ([f"{RC}.rollout_is=tokens"], f"{RC}.rollout_is = 'tokens' is not a known IS level (or null: off) (did you mean "
+                                  "'token'?); choose one of: sequence, token"),
+    ([f"{RC}.loss_type=pg"], f"{RC}.loss_type = 'pg' is not a known bypass-mode loss type; choose one of: ppo_clip, "
+                             "reinforce"),
+    ([f"{RC}.rollout_rs=token_k1,seq_k2", f"{RC}.rollout_rs_threshold=2"],
+     f"{RC}.rollout_rs = 'seq_k2' is not a known rejection criterion (did you mean 'seq_sum_k2'?); choose one of: "
+     "seq_max_k2, seq_max_k3, seq_mean_k1, seq_mean_k2, seq_mean_k3, seq_sum_k1, seq_sum_k2, seq_sum_k3, token_k1, "
+     "token_k2, token_k3"),
+    ([f"{RC}.rollout_is_threshold=abc"], f"{RC}.rollout_is_threshold = 'abc': "),
+    ([f"{RC}.rollout_is_threshold=5_0.5"], "lower bound must be <= upper bound"),
+    ([f"{RC}.rollout_is_threshold=-2"], "must be positive"),
+    ([f"{RC}.rollout_rs=token_k1"], f"{RC}.rollout_rs_threshold = null: rollout_rs = 'token_k1' needs its threshold"),
+    ([f"{RC}.rollout_rs=token_k2", f"{RC}.rollout_rs_threshold=0.5_2"], "must provide a single upper bound"),
+    ([f"{RC}.rollout_rs=token_k1,token_k2", f"{RC}.rollout_rs_threshold=1,2,3"], "exactly 2 thresholds"),
+    ([f"{RC}.bypass_mode=true", f"{ACTOR}.policy_loss.loss_mode=gspo"], "loss_mode = 'gspo' would be ignored"),
+    ([f"{RC}.bypass_mode=true", f"{RC}.rollout_is_batch_normalize=true"], "would depend on the micro-batch split"),
+])
+def test_rollout_correction_errors_name_key_and_choices(overrides, expected):
+    assert expected in error_of(*overrides)
+
+
+def _model_dir(tmp_path: Path, name: str, max_positions: int | None) -> Path:
+    import json
+
+    model = tmp_path / name
+    model.mkdir()
+    config = {"model_type": "qwen2", "vocab_size": 100}
+    if max_positions is not None:
+        config["max_position_embeddings"] = max_positions
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def test_sequence_longer_than_the_models_positions(tmp_path):
+    """prompt + response beyond max_position_embeddings: one line naming both keys and the model's limit."""
+    actor = _model_dir(tmp_path, "actor", 8192)
+    message = error_of(f"actor_rollout_ref.model.path={actor}", "data.max_prompt_length=1024",
+                       "data.max_response_length=8192")
+    assert message == (f"data.max_prompt_length + data.max_response_length = 1024 + 8192 = 9216 tokens, more than "
+                       f"the model's max_position_embeddings = 8192 (actor_rollout_ref.model.path={str(actor)!r}); "
+                       "lower data.max_response_length to at most 7168, or use a model with more positions")
+    load(f"actor_rollout_ref.model.path={actor}", "data.max_prompt_length=1024", "data.max_response_length=7168")
+    # a prompt that alone fills the positions
+    assert "lower data.max_prompt_length and data.max_response_length" in error_of(
+        f"actor_rollout_ref.model.path={actor}", "data.max_prompt_length=8192", "data.max_response_length=1")
+    # the critic's own model is checked too; without a critic it is not read
+    critic = _model_dir(tmp_path, "critic", 1024)
+    lengths = ("data.max_prompt_length=512", "data.max_response_length=1024")
+    assert "(critic.model.path=" in error_of(f"actor_rollout_ref.model.path={actor}", f"critic.model.path={critic}",
+                                             "algorithm.adv_estimator=gae", *lengths)
+    load(f"actor_rollout_ref.model.path={actor}", f"critic.model.path={critic}", "algorithm.adv_estimator=grpo",
+         "actor_rollout_ref.rollout.n=2", *lengths)
+    # no config.json or no max_position_embeddings in it: nothing to check here (the model loader reports it)
+    load(f"actor_rollout_ref.model.path={tmp_path / 'missing'}", "data.max_response_length=100000")
+    load(f"actor_rollout_ref.model.path={_model_dir(tmp_path, 'nolimit', None)}", "data.max_response_length=100000")
+
+
 def test_suspicious_settings_warn():
     with pytest.warns(ConfigWarning, match="the critic would train for nothing"):
         load("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "critic.enable=true")
     with pytest.warns(ConfigWarning, match="identical greedy responses"):
         load("actor_rollout_ref.rollout.val_kwargs.n=4")
+    with pytest.warns(ConfigWarning, match="only applies with algorithm.rollout_correction.bypass_mode=true"):
+        load("algorithm.rollout_correction.loss_type=reinforce")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load()  # the defaults are quiet

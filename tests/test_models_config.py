@@ -127,9 +127,10 @@ def test_transformer_engine_requested_without_it():
 
     with pytest.raises(MissingGpuPackageError, match=r"pip install mppo\[gpu\]"):
         resolve_transformer_impl("te")
-    assert resolve_transformer_impl("auto") == "local"
+    assert resolve_transformer_impl("auto") == "sdpa"  # no Transformer Engine here: SDPA attention
+    assert resolve_transformer_impl("sdpa") == "sdpa"
     assert resolve_transformer_impl("local") == "local"
-    with pytest.raises(ValueError, match="'auto', 'te' or 'local'"):
+    with pytest.raises(ValueError, match="'auto', 'te', 'sdpa', 'local'"):
         resolve_transformer_impl("apex")
 
 

@@ -1,4 +1,5 @@
-"""Megatron actor/critic/ref vs HF transformers at TP2xPP2, TP2, PP2, TP1 and interleaved PP (4 CPU ranks).
+"""Megatron actor/critic/ref vs HF transformers at TP2xPP2, TP2, PP2, TP1 and interleaved PP (4 CPU ranks), with the
+SDPA attention spec (transformer_impl=auto on CPU) and megatron's local spec as a reference.
 
 One torchrun launch (tests/dist/models_parallel.py) runs every case; each test below asserts on one family of
 results from all ranks.
@@ -37,9 +38,23 @@ def test_logits_and_logprobs_match_hf(ranks, layout, model):
     if layout == "tp1pp2vpp2" and model == "llama_untied":  # 2 layers cannot fill 4 virtual chunks
         assert all("pp=2 x vpp=2" in v for v in _values(ranks, f"{layout}/{model}/layout_error"))
         return
+    # the default build on CPU (transformer_impl=auto, no Transformer Engine) is the SDPA attention spec
+    assert set(_values(ranks, f"{layout}/{model}/core_attention")) == {"SDPAttention"}
     for what in ("logits", "log_probs", "entropy"):
         worst = max(_values(ranks, f"{layout}/{model}/{what}"))
         assert worst <= ATOL, f"{layout} {model} {what}: max |megatron - HF| = {worst}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("model", ("qwen2_untied", "llama_tied"))
+def test_local_spec_reference_matches_hf_and_sdpa(ranks, layout, model):
+    """megatron's own DotProductAttention (transformer_impl=local) at the same layouts: equal to HF, and the SDPA
+    spec equal to it."""
+    assert set(_values(ranks, f"{layout}/{model}/local/core_attention")) == {"DotProductAttention"}
+    for what in ("logits", "log_probs"):
+        worst = max(_values(ranks, f"{layout}/{model}/local/{what}"))
+        assert worst <= ATOL, f"{layout} {model} local {what}: max |megatron - HF| = {worst}"
+    assert max(_values(ranks, f"{layout}/{model}/local/logits_vs_sdpa")) <= 1e-5
 
 
 def test_llama3_rope_scaling_is_exercised(ranks):

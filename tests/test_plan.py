@@ -311,6 +311,28 @@ def test_step_time_has_no_old_log_prob_pass_when_the_trainer_reuses_the_update_f
     assert two_minis.total_s > on_policy.total_s
 
 
+def test_step_time_follows_rollout_correction_like_the_trainer():
+    """IS weights or rejection need the old log-probs before the update (the pass comes back, as in the trainer);
+    bypass mode takes them from the engine (no pass, even with two mini-batches)."""
+    from mppo.config import load_config
+    from mppo.config.decisions import old_log_prob_pass
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan import known_config, plan
+
+    args = read_hf_config(known_config("Qwen2.5-7B")[1])
+    recipe = str(REPO / "configs/gsm8k_qwen2.5_7b_grpo.yaml")
+    batch = load_config(recipe).data.train_batch_size
+    rc = "algorithm.rollout_correction"
+    for extra, has_pass in (([f"{rc}.rollout_is=token"], True), ([f"{rc}.rollout_rs=seq_mean_k3",
+                                                                  f"{rc}.rollout_rs_threshold=0.01"], True),
+                            ([f"{rc}.bypass_mode=true"], False),
+                            ([f"{rc}.bypass_mode=true", f"actor_rollout_ref.actor.ppo_mini_batch_size={batch // 2}"],
+                             False)):
+        cfg = load_config(recipe, [f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}", *extra])
+        assert old_log_prob_pass(cfg) is has_pass, extra
+        assert (plan(cfg, args).step.old_log_prob_s > 0) is has_pass, extra
+
+
 # ------------------------------------------------------------------------------------------------------- CLI
 def test_cli_text_json_and_errors(capsys):
     recipe = str(REPO / "configs/qwen2.5_32b_4node.yaml")

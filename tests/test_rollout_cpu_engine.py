@@ -1,14 +1,20 @@
 """The CPU rollout engine against an independent HF transformers model (weights, log-probs, greedy, seeding)."""
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
-from mppo.rollout import RolloutStateError, SamplingParams
+from mppo.rollout import RolloutStateError, SamplingParams, cpu_decode
 from mppo.rollout.cpu_engine import CPURolloutEngine
+from mppo.rollout.cpu_attention import MIN_QUERIES, OWN_BLOCK, value_width
+from mppo.rollout.cpu_model import MIN_ROWS, silu
 
 VOCAB = 500
 
@@ -157,6 +163,171 @@ def test_same_seed_same_rollouts_across_batch_compositions_and_dp_splits(source,
             assert got[key].finish_reason == reference.finish_reason, (label, key)
 
 
+def test_premise_gemm_rows_do_not_depend_on_the_other_rows():
+    """The engine's batch invariance rests on this property of the CPU BLAS (mppo/rollout/cpu_model.py)."""
+    gen = torch.Generator().manual_seed(3)
+    for k, n in [(64, 128), (128, 352), (352, 128), (64, VOCAB)]:
+        weight = torch.randn(n, k, generator=gen)
+        x = torch.randn(120, k, generator=gen)
+        alone = torch.stack([F.linear(torch.cat([x[i : i + 1], x[:MIN_ROWS - 1]]), weight)[0] for i in range(120)])
+        for rows in (MIN_ROWS, 17, 31, 32, 33, 64, 95, 120):
+            assert torch.equal(as_bits(F.linear(x[:rows], weight)), as_bits(alone[:rows])), (k, n, rows)
+
+
+def _at_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
+    """A copy of t (same shape and strides order) starting `offset` elements into a fresh buffer."""
+    buffer = torch.empty(offset + t.numel(), dtype=t.dtype)
+    view = buffer[offset:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+# The engine's batched products (mppo/rollout/cpu_attention.py), [rows x inner] @ [inner x cols]: prompt q @ k^T
+# (queries = n x group, head_dim, padded length), prompt weights x values (queries, BLOCK, value width), own q @ k^T
+# (>= MIN_QUERIES, head_dim, multiple of OWN_BLOCK), own weights x values; head_dim 4 to 64.
+ENGINE_PRODUCTS = [(MIN_QUERIES, 16, 32), (16, 16, 160), (12, 16, 64), (16, 64, 96), (8, 4, 64), (MIN_QUERIES, 32, 17),
+                   (16, 32, 17), (12, 32, 65), (8, 32, value_width(4)), (MIN_QUERIES, 16, OWN_BLOCK),
+                   (MIN_QUERIES, 16, 3 * OWN_BLOCK), (7, 64, 2 * OWN_BLOCK), (MIN_QUERIES, 8, OWN_BLOCK),
+                   (MIN_QUERIES, OWN_BLOCK, 17), (MIN_QUERIES, 3 * OWN_BLOCK, 17), (7, 2 * OWN_BLOCK, 65),
+                   (MIN_QUERIES, OWN_BLOCK, value_width(8))]
+
+
+@pytest.mark.parametrize("rows, inner, cols", ENGINE_PRODUCTS)
+def test_premise_batched_products_do_not_depend_on_place_batch_or_key_count(rows, inner, cols):
+    """Decode attention's batch invariance rests on these (mppo/rollout/cpu_attention.py): with >= MIN_QUERIES rows
+    and >= 16 columns (measured here: fewer rows, or fewer than 12 columns, take kernels whose bits depend on
+    the memory offset of the matrices), a product's bits do not depend on where its inputs and output lie in
+    memory (a matrix's place in a batch), on transposed storage, or on the batch size; and q @ k^T's entries do
+    not depend on how many key columns (padded prompt positions) follow."""
+    gen = torch.Generator().manual_seed(rows * 1000 + inner * 10 + cols)
+    a, b = torch.randn(1, rows, inner, generator=gen), torch.randn(1, inner, cols, generator=gen)
+    reference = as_bits(torch.bmm(a, b))
+    for offset in range(16):
+        out = _at_offset(torch.empty(1, rows, cols), offset)
+        torch.bmm(_at_offset(a, offset), _at_offset(b, (3 * offset) % 16), out=out)
+        a_t = _at_offset(a.transpose(1, 2).contiguous(), offset).transpose(1, 2)  # column-major storage
+        b_t = _at_offset(b.transpose(1, 2).contiguous(), offset).transpose(1, 2)
+        for got in (out, torch.bmm(a_t, b), torch.bmm(a, b_t), torch.bmm(a_t, b_t)):
+            assert torch.equal(as_bits(got), reference), offset
+    many_a, many_b = torch.randn(40, rows, inner, generator=gen), torch.randn(40, inner, cols, generator=gen)
+    alone = torch.cat([torch.bmm(many_a[i : i + 1], many_b[i : i + 1]) for i in range(40)])
+    for batch in (2, 3, 17, 40):
+        assert torch.equal(as_bits(torch.bmm(many_a[:batch], many_b[:batch])), as_bits(alone[:batch])), batch
+    keys = torch.randn(1, 512, inner, generator=gen)
+    first = as_bits(torch.bmm(a, keys[:, :32].transpose(1, 2)))
+    for length in (64, 96, 160, 512):
+        assert torch.equal(as_bits(torch.bmm(a, keys[:, :length].transpose(1, 2))[..., :32]), first), length
+
+
+def test_premise_elementwise_ops_do_not_depend_on_an_elements_position():
+    """exp, log, cos and the engine's silu give an element the same bits in a tensor of any length and offset
+    (torch's own silu does not: its scalar tail code differs, see mppo/rollout/cpu_model.py)."""
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(4)) * 6
+    for name, op in {"exp": torch.exp, "log": lambda t: torch.log(t.abs() + 1e-3), "cos": torch.cos,
+                     "silu": silu, "exp64": lambda t: torch.exp(t.double())}.items():
+        whole = op(x)
+        for start, length in [(0, 1), (5, 7), (31, 33), (100, 15), (1000, 63), (2999, 1), (64, 2000)]:
+            part = op(x[start : start + length].clone())
+            assert torch.equal(part, whole[start : start + length]), (name, start, length)
+    assert torch.allclose(silu(x), F.silu(x), rtol=1e-6, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def odd_source():
+    """Widths that are no multiple of the vector length (intermediate 100, 3 query heads per KV head)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(99)
+        config = tiny_qwen2_config(initializer_range=0.2, hidden_size=48, intermediate_size=100,
+                                   num_attention_heads=3, num_key_value_heads=1, tie_word_embeddings=False)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def mha_source():
+    """One query head per KV head (group 1: fewer queries than MIN_QUERIES per slot), head_dim 16."""
+    with torch.random.fork_rng():
+        torch.manual_seed(98)
+        config = tiny_qwen2_config(initializer_range=0.2, hidden_size=32, intermediate_size=64,
+                                   num_attention_heads=2, num_key_value_heads=2)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("model, n", [("source", 4), ("odd_source", 4), ("mha_source", 3), ("mha_source", 1)])
+def test_bitwise_invariance_with_long_prompts_stops_compaction_and_threads(model, n, request, monkeypatch):
+    """Prompts over several attention blocks, samples stopping at different steps (so batches compact at
+    different times in different compositions), other prompts around them, DP splits and worker threads."""
+    source = request.getfixturevalue(model)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 100))] for _ in range(9)]
+    prompts += [[3], [4, 5], [6, 7, 8]]  # prefill of fewer than 4 rows, at different offsets in the packed batch
+    engine = loaded_engine(source)
+    free = engine.generate(prompts, SamplingParams(n=n, temperature=1.2, max_new_tokens=40, seed=2), step=1)
+    counts = torch.bincount(torch.tensor([t for r in free for t in r.token_ids]), minlength=VOCAB)
+    stop = counts.argsort(descending=True)[:6].tolist()  # the most frequent tokens: most samples stop early
+    sampling = SamplingParams(n=n, temperature=1.2, top_p=0.95, max_new_tokens=40, seed=2, stop_token_ids=stop)
+
+    compactions = []
+    real_compact = cpu_decode._compact
+    monkeypatch.setattr(cpu_decode, "_compact", lambda *a: compactions.append(1) or real_compact(*a))
+    together = by_key(engine.generate(prompts, sampling, step=1))
+    reasons = [r.finish_reason for r in together.values()]
+    assert 0 < reasons.count("stop") < len(reasons) and len({len(r.token_ids) for r in together.values()}) > 5
+    assert compactions, "the batch never compacted: the test does not cover it"
+
+    others = [[rng.randrange(VOCAB) for _ in range(150)], [7]]
+    half = len(prompts) // 2
+    compositions = {
+        "one by one": [r for i, p in enumerate(prompts)
+                       for r in engine.generate([p], sampling, step=1, prompt_offsets=[i])],
+        "reversed": engine.generate(prompts[::-1], sampling, step=1, prompt_offsets=list(range(len(prompts)))[::-1]),
+        "with a longer prompt and a one-token prompt": engine.generate(
+            prompts[:half] + others + prompts[half:], sampling, step=1,
+            prompt_offsets=list(range(half)) + [100, 101] + list(range(half, len(prompts)))),
+        "DP2": engine.generate(prompts[:half], sampling, step=1) + loaded_engine(source).generate(
+            prompts[half:], sampling, step=1, prompt_offsets=list(range(half, len(prompts)))),
+    }
+    torch.set_num_threads(2)  # two workers, each on its share of the prompts (mppo/rollout/cpu_decode.py)
+    compositions["2 threads"] = engine.generate(prompts, sampling, step=1)
+    torch.set_num_threads(1)
+    for label, responses in compositions.items():
+        got = by_key(responses)
+        for key, reference in together.items():
+            assert got[key].token_ids == reference.token_ids, (label, key)
+            assert got[key].log_probs == reference.log_probs, (label, key)  # bitwise
+            assert got[key].finish_reason == reference.finish_reason, (label, key)
+
+
+WORKER_THREADS_SCRIPT = """
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+from mppo.rollout import SamplingParams, cpu_decode
+from mppo.rollout.cpu_engine import CPURolloutEngine
+
+seen = []
+real = cpu_decode.generate_group
+cpu_decode.generate_group = lambda *a: seen.append(torch.get_num_threads()) or real(*a)
+config = Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1)
+engine = CPURolloutEngine(config)
+engine.update_weights(AutoModelForCausalLM.from_config(config).state_dict().items())
+torch.set_num_threads(2)
+for prompts in ([[1, 2, 3]], [[1, 2], [3, 4, 5], [6]]):
+    engine.generate(prompts, SamplingParams(n=2, max_new_tokens=3), step=0)
+print(seen, torch.get_num_threads())
+"""
+
+
+def test_generation_workers_run_single_threaded_kernels(tmp_path):
+    """With k torch threads the engine runs k workers, each with ONE-threaded kernels (multi-threaded kernels
+    break bitwise invariance), also in threads that start with OpenMP's default of all cores, and also when
+    there is a single prompt (one worker)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run([sys.executable, "-c", WORKER_THREADS_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[-2] == "[1, 1, 1] 2"  # 1 worker, then 2; the caller's setting is restored
+
+
 def test_seeds_steps_and_samples_give_different_rollouts(source, prompts):
     engine = loaded_engine(source)
 
@@ -204,6 +375,13 @@ def test_stop_tokens_and_length_limit(source, prompts):
     for r in engine.generate(prompts, SamplingParams(n=2, max_new_tokens=3, seed=1), step=0):
         assert len(r.token_ids) == 3 and r.finish_reason == "length"
 
+    # ignore_eos: neither the stop token nor the config's eos ends the sample; it is the unstopped greedy run
+    fixed = SamplingParams(do_sample=False, max_new_tokens=10, stop_token_ids=[stop_token], ignore_eos=True)
+    for runner in (engine, eos_engine):
+        unstopped = runner.generate(prompts[:1], fixed, step=0)[0]
+        assert unstopped.token_ids == reference and unstopped.finish_reason == "length"
+        assert unstopped.token_ids[stop_at] == stop_token
+
 
 def test_release_and_resume_round_trip(source, prompts):
     engine = loaded_engine(source)
@@ -245,5 +423,7 @@ def test_bad_generate_arguments(source):
     other_architecture.model_type = "gpt2"
     with pytest.raises(ValueError, match="model_type"):
         CPURolloutEngine(other_architecture)
+    with pytest.raises(ValueError, match="SiLU"):
+        CPURolloutEngine(tiny_qwen2_config(hidden_act="gelu"))
     with pytest.raises(ValueError, match="sliding"):
         CPURolloutEngine(tiny_qwen2_config(use_sliding_window=True, sliding_window=8, max_window_layers=0))

@@ -248,6 +248,9 @@ def test_requests_carry_per_sample_seeds_of_global_prompt_indices():
     assert [p["sampling_seed"] for p in params] == [sample_seed(42, 9, g, s) for g, s in keys]
     assert all(p["n"] == 1 and p["top_k"] == 20 and p["top_p"] == 0.95 and p["temperature"] == 0.9 for p in params)
     assert params[0]["stop_token_ids"] == [3] and params[0]["max_new_tokens"] == 6
+    assert params[0]["ignore_eos"] is False
+    _, fixed, _ = build_generate_request([[1]], SamplingParams(stop_token_ids=[3], ignore_eos=True), 0, [0])
+    assert fixed[0]["ignore_eos"] is True and fixed[0]["stop_token_ids"] == [3]  # SGLang skips both when set
     _, greedy, _ = build_generate_request([[1]], SamplingParams(do_sample=False, temperature=0.7), 0, [0])
     assert greedy[0]["temperature"] == 0.0 and greedy[0]["top_k"] == -1 and greedy[0]["top_p"] == 1.0
 

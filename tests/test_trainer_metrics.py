@@ -123,3 +123,67 @@ print(json.dumps({"before": before, "after": after, "hwm": status_gib("VmHWM"), 
     assert m["after"] == pytest.approx(m["hwm"], abs=0.01)
     assert m["after"] - m["before"] >= 0.35
     assert m["rss"] < m["after"] - 0.3  # freed: the current resident set fell, the peak stays
+
+
+def _mismatch_reference(rollout_lp, actor_lp, mask):
+    """veRL's debug metrics written out with plain Python loops in float64 (probabilities, not log-probs)."""
+    import math
+
+    diffs, xs, ys = [], [], []
+    for i in range(len(mask)):
+        for t in range(len(mask[i])):
+            if mask[i][t]:
+                x, y = math.exp(float(actor_lp[i][t])), math.exp(float(rollout_lp[i][t]))
+                xs.append(x), ys.append(y), diffs.append(abs(x - y))
+    n = len(diffs)
+    mean = sum(diffs) / n
+    std = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)) if n > 1 else math.nan
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
+    corr = sxy / math.sqrt(sxx * syy) if n > 1 and sxx > 0 and syy > 0 else math.nan
+    return {"max": max(diffs), "mean": mean, "std": std, "corr": corr}
+
+
+@pytest.mark.parametrize("case", ["random", "holes", "one_token", "constant_actor"])
+def test_rollout_mismatch_metrics_match_an_independent_loop(case):
+    """training/rollout_probs_diff_{max,mean,std} and the Pearson correlation of probabilities (veRL 0.9.1
+    debug metrics) over response tokens only; padding holds garbage that must not count."""
+    import math
+
+    from mppo.trainer.metrics import rollout_mismatch_metrics
+
+    g = torch.Generator().manual_seed(7)
+    actor = -torch.rand(5, 9, generator=g) * 4
+    rollout = actor + 0.3 * torch.randn(5, 9, generator=g)
+    mask = torch.ones(5, 9)
+    if case == "holes":
+        mask = (torch.rand(5, 9, generator=g) > 0.4).float()
+        mask[2] = 0.0  # an empty row
+    if case == "one_token":
+        mask = torch.zeros(5, 9)
+        mask[3, 4] = 1.0
+    if case == "constant_actor":
+        actor = torch.full_like(actor, -0.5)
+    padding = mask == 0
+    actor_garbage, rollout_garbage = actor.masked_fill(padding, 123.0), rollout.masked_fill(padding, -7.0)
+    got = rollout_mismatch_metrics(rollout_garbage, actor_garbage, mask)
+    want = _mismatch_reference(rollout.tolist(), actor.tolist(), mask.tolist())
+    assert got["training/rollout_probs_diff_valid"] == 1.0
+    assert got["training/rollout_probs_diff_max"] == pytest.approx(want["max"], rel=1e-9)
+    assert got["training/rollout_probs_diff_mean"] == pytest.approx(want["mean"], rel=1e-9)
+    for key, name in (("training/rollout_probs_diff_std", "std"), ("training/rollout_actor_probs_pearson_corr", "corr")):
+        if math.isnan(want[name]):
+            assert math.isnan(got[key]), (key, got[key])
+        else:
+            assert got[key] == pytest.approx(want[name], rel=1e-9, abs=1e-12), key
+
+
+def test_rollout_mismatch_metrics_without_response_tokens_are_invalid_not_an_error():
+    import math
+
+    from mppo.trainer.metrics import rollout_mismatch_metrics
+
+    got = rollout_mismatch_metrics(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3))
+    assert got["training/rollout_probs_diff_valid"] == 0.0
+    assert all(math.isnan(v) for k, v in got.items() if k != "training/rollout_probs_diff_valid")

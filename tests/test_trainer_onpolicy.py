@@ -53,6 +53,10 @@ def test_reuse_decision_names_what_needs_the_separate_pass(assets, tmp_path):
         "2 mini-batches": ["actor_rollout_ref.actor.ppo_mini_batch_size=4"],
         "use_kl_in_reward": ["algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.use_kl_loss=false"],
         "optimal_token_baseline": ["algorithm.adv_estimator=optimal_token_baseline"],
+        "needs them for the IS weights and rejection": ["algorithm.rollout_correction.rollout_is=token"],
+        "rollout_rs=seq_mean_k3": ["algorithm.rollout_correction.rollout_rs=seq_mean_k3",
+                                   "algorithm.rollout_correction.rollout_rs_threshold=0.01"],
+        "bypass_mode=true takes them from the rollout engine": ["algorithm.rollout_correction.bypass_mode=true"],
     }
     for expected, extra in cases.items():
         reuse, why = old_log_prob_reuse(load(base + extra))
@@ -63,7 +67,8 @@ def test_reuse_equals_recompute_and_off_policy_keeps_the_pass(assets, tmp_path):
     """DP=2, GRPO with a KL loss and an entropy bonus: the first update with the old log-probs taken from its own
     forward equals the update with them recomputed before it (losses, grad norm, updated weights), and the
     old-log-prob phase disappears; with 2 epochs or 2 mini-batches the trainer recomputes them (the phase runs)
-    and the actor refuses to take them from its forward."""
+    and the actor refuses to take them from its forward. The rollout-vs-actor mismatch metrics are logged
+    either way (and at PP 2), tiny in fp32 and the same from either source."""
     base = base_overrides(assets, tmp_path / "run", world=2)
     ranks = run_torchrun(REPO / "tests" / "dist" / "trainer_onpolicy.py", 2, tmp_path / "out",
                          ["--config", str(REPO / "configs" / "demo_cpu.yaml"), "--overrides", json.dumps(base)],
@@ -87,3 +92,15 @@ def test_reuse_equals_recompute_and_off_policy_keeps_the_pass(assets, tmp_path):
             case = r[name]
             assert case["reuse"] is False and "timing_s/old_log_prob" in case["metrics"], name
             assert "needs one epoch over one mini-batch" in case["actor_refused"], name
+        # Rollout vs actor probabilities (fp32, CPU engine, same weights): tiny mismatch with or without the
+        # reuse, the same global value on every rank and from either source of old log-probs.
+        pp2 = r["reuse_pp2"]
+        assert pp2["reuse"] is True and "timing_s/old_log_prob" not in pp2["metrics"]
+        for case in (a, b, pp2["metrics"], r["two_epochs"]["metrics"]):
+            assert case["training/rollout_probs_diff_valid"] == 1.0
+            assert 0.0 <= case["training/rollout_probs_diff_max"] < 1e-3
+            assert case["training/rollout_actor_probs_pearson_corr"] > 0.999
+        for key in ("training/rollout_probs_diff_max", "training/rollout_probs_diff_mean",
+                    "training/rollout_probs_diff_std", "training/rollout_actor_probs_pearson_corr"):
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-7), key
+            assert a[key] == ranks[0]["reuse"]["metrics"][key] and b[key] == ranks[0]["recompute"]["metrics"][key]

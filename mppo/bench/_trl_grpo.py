@@ -64,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--workdir", required=True, help="TRL's output_dir (nothing is saved there but logs)")
+    p.add_argument("--fixed-length", action="store_true",
+                   help="exactly --response-length tokens per completion (min_new_tokens: EOS masked until then)")
     return p
 
 
@@ -88,7 +90,22 @@ def run_trl(opts: argparse.Namespace) -> dict[str, Any]:
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
         beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group", shuffle_dataset=False,
         use_cpu=True, bf16=False, logging_steps=1, report_to="none", save_strategy="no", seed=opts.seed,
-        disable_dropout=True, dataloader_num_workers=0)
+        disable_dropout=True, dataloader_num_workers=0,
+        generation_kwargs={"min_new_tokens": opts.response_length} if opts.fixed_length else None)
+
+    # Time spent inside transformers' generate, per step: GRPOTrainer calls the (unwrapped, on one CPU process:
+    # the same) model's generate once per generation batch, so an instance attribute wraps it.
+    generate = model.generate
+    generation_seconds = [0.0]
+
+    def timed_generate(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            generation_seconds[0] += time.perf_counter() - start
+
+    model.generate = timed_generate
 
     class StepClock(TrainerCallback):
         """Wall time of each optimizer step (generation, scoring, loss, backward, optimizer) and its logs."""
@@ -99,11 +116,13 @@ def run_trl(opts: argparse.Namespace) -> dict[str, Any]:
 
         def on_step_begin(self, args, state, control, **kwargs):
             self._start, self._cpu_start = time.perf_counter(), time.process_time()
+            generation_seconds[0] = 0.0
 
         def on_step_end(self, args, state, control, **kwargs):
             # process CPU time: all of this process's threads (other processes on the machine do not count)
             self.steps.append({"seconds": time.perf_counter() - self._start,
-                               "cpu_seconds": time.process_time() - self._cpu_start})
+                               "cpu_seconds": time.process_time() - self._cpu_start,
+                               "generation_seconds": generation_seconds[0]})
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs and self.steps:

@@ -12,6 +12,14 @@ torch is not the CPU build). Tokens per second = (prompt + response tokens) / wa
 model loading excluded on both sides; the first step is reported separately (warm-up). Tokens per CPU-second
 divide by the CPU time of the trainer's processes instead (all ranks, all threads), which other jobs on the
 machine disturb far less than wall time.
+
+Each step is also split into generation (mppo: the rollout phase, engine.generate plus scoring on the engine's
+rank; TRL: the time inside transformers' `generate`) and update (the rest of the step: weight sync, scoring,
+advantages, forward/backward, optimizer), reported as response tokens per generation second and prompt +
+response tokens per update second. `--fixed-length` makes every response exactly `--response-length` tokens on
+both sides (mppo `rollout.ignore_eos=true`, TRL `min_new_tokens`), so the two process the same tokens; it uses a
+plain random model (no raised EOS probability). The issue's setting (~1M parameters, 8 prompts x 8 samples x 64
+tokens): `mppo bench trl-compare --fixed-length --hidden 128 --group 8`.
 """
 from __future__ import annotations
 
@@ -37,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-per-step", type=int, default=8)
     p.add_argument("--group", type=int, default=4, help="samples per prompt (GRPO group)")
     p.add_argument("--response-length", type=int, default=64)
+    p.add_argument("--fixed-length", action="store_true",
+                   help="every response exactly --response-length tokens (mppo: rollout.ignore_eos; TRL: "
+                        "min_new_tokens), on a plain random model (no raised EOS probability)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -95,6 +106,7 @@ def mppo_spec(opts: argparse.Namespace, assets: Path, run_dir: Path, seed: int) 
         "actor_rollout_ref.rollout.top_k=-1",
         f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={opts.tp}",
         "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048",
+        f"actor_rollout_ref.rollout.ignore_eos={str(opts.fixed_length).lower()}",
     ] + list(opts.overrides)
     return {"config": str(bench_step.DEFAULT_CONFIG), "overrides": overrides, "warmup": 0, "steps": opts.steps,
             "repeats": 1}
@@ -103,7 +115,9 @@ def mppo_spec(opts: argparse.Namespace, assets: Path, run_dir: Path, seed: int) 
 def run_mppo(opts: argparse.Namespace, assets: Path, work: Path, seed: int) -> dict[str, Any]:
     threads = mppo_threads(opts)
     result = bench_step.launch(mppo_spec(opts, assets, work / "run", seed), opts.nproc, threads, work)
+    samples = opts.prompts_per_step * opts.group
     steps = [{"seconds": s["seconds"]["step"], "cpu_seconds": s["cpu_seconds"], "tokens": s["tokens"],
+              "generation_seconds": s["seconds"]["gen"], "response_tokens": s["response_length"] * samples,
               "reward": s["score"],
               "response_length": s["response_length"], "grad_norm": s["actor"].get("actor/grad_norm"),
               "lr": s["actor"].get("actor/lr"), "entropy": s["actor"].get("actor/entropy")}
@@ -122,14 +136,17 @@ def run_trl(opts: argparse.Namespace, assets: Path, work: Path, prompts: list[st
            str(prompts_file), "--out", str(out), "--steps", str(opts.steps), "--prompts-per-step",
            str(opts.prompts_per_step), "--group", str(opts.group), "--response-length", str(opts.response_length),
            "--lr", str(opts.lr), "--seed", str(seed), "--workdir", str(work / "trl-out"),
-           "--threads", str(opts.nproc * mppo_threads(opts))]
+           "--threads", str(opts.nproc * mppo_threads(opts))] + (["--fixed-length"] if opts.fixed_length else [])
     before = bench_step.load_average()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200)
     if proc.returncode != 0 or not out.is_file():
         raise RuntimeError(f"TRL run failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-6000:]}")
     result = json.loads(out.read_text())
     result["load"] = {"before": before, "after": bench_step.load_average()}
+    samples = opts.prompts_per_step * opts.group
     result["steps"] = [{"seconds": s["seconds"], "cpu_seconds": s.get("cpu_seconds"), "tokens": s["tokens"],
+                        "generation_seconds": s["generation_seconds"],
+                        "response_tokens": s["completions/mean_length"] * samples,
                         "reward": s["reward"],
                         "response_length": s.get("completions/mean_length"), "grad_norm": s.get("grad_norm"),
                         "lr": s.get("learning_rate"), "entropy": s.get("entropy")} for s in result["steps"]]
@@ -155,8 +172,16 @@ def side_summary(runs: list[list[dict[str, Any]]], last: int) -> dict[str, float
     after_first = [s for steps in runs for s in (steps[1:] or steps)]
     every = [s for steps in runs for s in steps]
     lasts = [statistics.mean(s["reward"] for s in steps[-last:]) for steps in runs]
+    generation_s = sum(s["generation_seconds"] for s in after_first)
+    update_s = sum(s["seconds"] - s["generation_seconds"] for s in after_first)
     return {
         "tokens_per_s": sum(s["tokens"] for s in after_first) / sum(s["seconds"] for s in after_first),
+        # generation: response tokens per second of generation; update: everything else in the step (weight
+        # sync, scoring, advantages, forward/backward, optimizer), prompt + response tokens per second
+        "generation_tokens_per_s": sum(s["response_tokens"] for s in after_first) / generation_s,
+        "update_tokens_per_s": sum(s["tokens"] for s in after_first) / update_s,
+        "median_generation_s": statistics.median(s["generation_seconds"] for s in after_first),
+        "median_update_s": statistics.median(s["seconds"] - s["generation_seconds"] for s in after_first),
         "tokens_per_s_all": sum(s["tokens"] for s in every) / sum(s["seconds"] for s in every),
         # CPU time summed over the trainer's processes/threads: what other jobs on the machine disturb least
         "tokens_per_cpu_s": (sum(s["tokens"] for s in after_first) / sum(s["cpu_seconds"] for s in after_first)
@@ -172,9 +197,13 @@ def side_summary(runs: list[list[dict[str, Any]]], last: int) -> dict[str, float
 
 def render(mppo: dict[str, float], trl: dict[str, float] | None, last: int) -> str:
     rows = (("tokens/s, steps 2.. (prompt + response)", "tokens_per_s", "{:.0f}"),
+            ("  generation: response tokens/s", "generation_tokens_per_s", "{:.0f}"),
+            ("  update (rest of step): tokens/s", "update_tokens_per_s", "{:.0f}"),
             ("tokens/s, all steps", "tokens_per_s_all", "{:.0f}"),
             ("tokens per CPU-second, steps 2..", "tokens_per_cpu_s", "{:.0f}"),
             ("median step seconds (steps 2..)", "median_step_s", "{:.2f}"),
+            ("  generation", "median_generation_s", "{:.2f}"),
+            ("  update (rest of step)", "median_update_s", "{:.2f}"),
             ("first step seconds", "first_step_s", "{:.2f}"),
             ("mean response length", "response_length", "{:.1f}"),
             ("reward, step 1", "reward_first", "{:.3f}"),
@@ -187,7 +216,7 @@ def render(mppo: dict[str, float], trl: dict[str, float] | None, last: int) -> s
         line = f"{label:<42}{fmt.format(mppo[key]):>12}"
         if trl is not None:
             line += f"{fmt.format(trl[key]):>12}"
-            if key.startswith("tokens") and trl[key]:
+            if "tokens_per" in key and trl[key]:
                 line += f"{mppo[key] / trl[key]:>11.2f}x"
         lines.append(line)
     return "\n".join(lines)
@@ -224,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         print("mppo bench trl-compare: --steps, --prompts-per-step, --group, --response-length, --nproc and --last "
               "must be >= 1", file=sys.stderr)
         return 2
-    eos_prob = min(0.5, 2.0 / opts.response_length)
+    eos_prob = 0.0 if opts.fixed_length else min(0.5, 2.0 / opts.response_length)
     assets = bench_step.bench_assets(opts.hidden, opts.layers, eos_prob)
     versions = {} if opts.skip_trl else ensure_trl_venv(opts.venv, opts.trl_version)
     prompts = training_prompts(assets, opts.steps * opts.prompts_per_step)
@@ -249,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     mppo, trl = mppo_runs[0], (trl_runs[0] if trl_runs else None)
     layout = mppo["layout"]
     print(f"mppo bench trl-compare: GRPO, random Qwen2 (hidden {opts.hidden}, {opts.layers} layers, fp32), "
-          f"{opts.steps} steps x {opts.prompts_per_step} prompts x {opts.group} samples, responses <= "
-          f"{opts.response_length} tokens, lr {opts.lr}, toy digit reward, seeds {seeds}")
+          f"{opts.steps} steps x {opts.prompts_per_step} prompts x {opts.group} samples, responses "
+          f"{'of exactly' if opts.fixed_length else '<='} {opts.response_length} tokens, lr {opts.lr}, toy digit "
+          f"reward, seeds {seeds} (mppo then TRL per seed)")
     loads = [(r["load"]["before"], r["load"]["after"]) for r in mppo_runs]
     print(f"mppo: TP{layout['tp']} PP{layout['pp']} DP{layout['dp']} ({opts.nproc} rank(s) x "
           f"{mppo['threads_per_rank']} thread(s)), CPU rollout engine; load before/after each run {loads}")

@@ -14,7 +14,8 @@ How a config is built, in order (`load_config`):
    the actor's layout, `data.seed` the trainer's. `critic.enable: null` becomes true iff the advantage estimator
    needs values (`core_algos.ESTIMATORS_NEEDING_CRITIC`).
 6. `validate(cfg, world_size)`: choices (estimators, loss modes, aggregation modes and KL types come from
-   `mppo.core_algos`' registries), ranges, parallel layout against the world size, batch-size arithmetic.
+   `mppo.core_algos`' registries), ranges, parallel layout against the world size, batch-size arithmetic, and
+   max_prompt_length + max_response_length against the model's max_position_embeddings (from its config.json).
 
 Every mistake is a `ConfigError` whose message is the one line the user sees (key, problem, fix). The result is a
 plain `MppoConfig` dataclass tree (no omegaconf objects): `cfg.actor_rollout_ref.actor.optim.lr`.

@@ -7,23 +7,45 @@ import inspect
 from mppo.config.schema import MppoConfig
 
 
+def off_policy_update(cfg: MppoConfig) -> str:
+    """"" when the actor update is on-policy (one epoch over one mini-batch: its forward is the first and only one
+    with the weights that generated the rollout), else why not."""
+    actor = cfg.actor_rollout_ref.actor
+    if actor.ppo_epochs != 1:
+        return f"actor.ppo_epochs={actor.ppo_epochs} (later epochs see updated weights)"
+    if actor.ppo_mini_batch_size != cfg.data.train_batch_size:
+        return (f"{cfg.data.train_batch_size // actor.ppo_mini_batch_size} mini-batches per step (later "
+                "mini-batches see updated weights)")
+    return ""
+
+
 def old_log_prob_reuse(cfg: MppoConfig) -> tuple[bool, str]:
     """(True, "") when the actor update may take the old log-probs from its own forward instead of a separate
-    pass; else (False, why not). That needs an on-policy update (one epoch over one mini-batch: its forward is
-    the first and only one with the weights that generated the rollout) and no use of them before the update."""
+    pass; else (False, why not). That needs an on-policy update and no use of them before the update."""
     actor, algo = cfg.actor_rollout_ref.actor, cfg.algorithm
+    correction = algo.rollout_correction
+    if correction.bypass_mode:
+        return False, "algorithm.rollout_correction.bypass_mode=true takes them from the rollout engine"
     if not actor.reuse_on_policy_log_prob:
         return False, "actor.reuse_on_policy_log_prob=false"
-    if actor.ppo_epochs != 1:
-        return False, f"actor.ppo_epochs={actor.ppo_epochs} (later epochs see updated weights)"
-    if actor.ppo_mini_batch_size != cfg.data.train_batch_size:
-        return False, (f"{cfg.data.train_batch_size // actor.ppo_mini_batch_size} mini-batches per step (later "
-                       "mini-batches see updated weights)")
+    off_policy = off_policy_update(cfg)
+    if off_policy:
+        return False, off_policy
     if algo.use_kl_in_reward:
         return False, "algorithm.use_kl_in_reward needs them for the rewards, before the update"
+    if correction.rollout_is is not None or correction.rollout_rs is not None:
+        return False, (f"algorithm.rollout_correction (rollout_is={correction.rollout_is}, "
+                       f"rollout_rs={correction.rollout_rs}) needs them for the IS weights and rejection, before "
+                       "the update")
     from mppo import core_algos  # lazy: keeps `import mppo.config` free of torch
 
     estimator = core_algos.get_adv_estimator_fn(algo.adv_estimator)
     if "old_log_probs" in inspect.signature(estimator).parameters:
         return False, f"adv_estimator {algo.adv_estimator} needs them for the advantages, before the update"
     return True, ""
+
+
+def old_log_prob_pass(cfg: MppoConfig) -> bool:
+    """Whether a step runs a separate old-log-prob forward before the update: not when the update's forward
+    supplies them (`old_log_prob_reuse`), nor in rollout-correction bypass mode (they are the engine's)."""
+    return not cfg.algorithm.rollout_correction.bypass_mode and not old_log_prob_reuse(cfg)[0]

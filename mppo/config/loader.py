@@ -78,8 +78,17 @@ def show(value: Any) -> str:
     return repr(value)
 
 
+def _union_members(tp: Any) -> list[Any]:
+    """The non-None members of a Union (Optional[Union[str, float]] -> [str, float]); [] for other types."""
+    return [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) is typing.Union else []
+
+
 def describe_type(tp: Any) -> str:
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    members = _union_members(tp)
+    if len(members) > 1:
+        text = " or ".join(names[m] for m in members)
+        return text + (" or null" if len(members) < len(typing.get_args(tp)) else "")
     base = _base_type(tp)
     if typing.get_origin(base) in (list, typing.List):
         item = typing.get_args(base)[0]
@@ -124,7 +133,15 @@ def unknown_key_error(key: str, source: str) -> ConfigError:
 
 # ------------------------------------------------------------------------------------------------------ YAML input
 class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that rejects a key given twice and reads `1e-6` as a float (YAML 1.1 wants `1.0e-6`)."""
+    """SafeLoader that rejects a key given twice, reads `1e-6` as a float (YAML 1.1 wants `1.0e-6`) and reads
+    numbers written with `_` as strings: `0.5_2.0` is a pair of bounds (rollout correction), and YAML 1.1's
+    digit separators would silently turn `5_0.5` into 50.5."""
+
+    def resolve(self, kind, value, implicit):
+        tag = super().resolve(kind, value, implicit)
+        if tag in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float") and isinstance(value, str) and "_" in value:
+            return "tag:yaml.org,2002:str"
+        return tag
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set = set()
@@ -179,6 +196,8 @@ def _set_leaf(cfg: DictConfig, key: str, value: Any, source: str) -> None:
     if is_list and isinstance(value, str) and not _is_whole_interpolation(value):
         value = [value]  # veRL accepts `data.train_files=one.parquet` for a list key
     wrong = (base is bool and not isinstance(value, bool) and value is not None and not _is_interpolation(value))
+    if float in _union_members(leaf.type) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)  # omegaconf takes an int for a float key, but not for a Union[str, float] one
     if not wrong:
         try:
             OmegaConf.update(cfg, key, value, merge=False)

@@ -7,7 +7,7 @@ never contains those nulls. `configs/ppo_trainer.yaml` mirrors these defaults ke
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
 from mppo.errors import UserError
 
@@ -42,7 +42,9 @@ class ModelConfig:
     path: Optional[str] = None  # HF model directory (config.json + safetensors); required to train
     tokenizer_path: Optional[str] = None  # tokenizer directory; null: model.path
     trust_remote_code: bool = False  # allow custom modelling code shipped with the checkpoint
-    transformer_impl: str = choice("auto", "te", "local")  # layer spec: auto = Transformer Engine if usable on GPU
+    # layer spec: auto = Transformer Engine if usable on GPU, else sdpa (megatron's local layers with fused SDPA
+    # attention); local = megatron's unfused attention (materialises [heads, s, s] scores; a reference)
+    transformer_impl: str = choice("auto", "te", "sdpa", "local")
     dtype: str = choice("auto", "fp32", "bf16")  # parameter dtype; auto = bf16 on cuda, fp32 on cpu
 
 
@@ -133,6 +135,7 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature; also divides the logits of every log-prob pass
     top_p: float = 1.0  # nucleus sampling mass
     top_k: int = -1  # top-k cut; -1 disables
+    ignore_eos: bool = False  # never stop at EOS/stop tokens: every response runs to max_response_length (veRL)
     tensor_model_parallel_size: int = 2  # ranks per engine (within one node)
     gpu_memory_utilization: float = 0.5  # fraction of GPU memory the engine reserves (SGLang mem_fraction_static)
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # samples per old-log-prob forward; null: actor's micro
@@ -190,6 +193,18 @@ class KLControlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    # veRL 0.9.1 algorithm.rollout_correction: correct for the engine's policy differing from the actor's
+    rollout_is: Optional[str] = None  # IS weights: null (off), token, or sequence (one weight per response)
+    rollout_is_threshold: Union[str, float] = 2.0  # number: TIS upper bound; 'lower_upper' (e.g. '0.5_5.0'): IcePop
+    rollout_is_batch_normalize: bool = False  # divide the IS weights by their global-batch mean
+    rollout_rs: Optional[str] = None  # rejection: comma list of token_k1..3, seq_{sum,mean}_k1..3, seq_max_k2..3
+    rollout_rs_threshold: Optional[Union[str, float]] = None  # one, or one per rollout_rs entry; k1: 'lower_upper'
+    bypass_mode: bool = False  # old log-probs = the engine's (no old-log-prob pass); loss_type picks the loss
+    loss_type: str = "ppo_clip"  # bypass mode: ppo_clip (PPO on pi/pi_rollout) or reinforce (IS-weighted PG)
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"  # core_algos.ADV_ESTIMATOR_REGISTRY: gae, grpo, rloo, reinforce_plus_plus, ...
     gamma: float = 1.0  # discount factor
@@ -198,6 +213,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False  # subtract kl_ctrl.kl_coef * KL(old || ref) from the token rewards
     kl_penalty: str = "kl"  # core_algos.KL_PENALTY_TYPES estimator for the in-reward KL
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)  # in-reward KL coefficient
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)  # TIS/IcePop/rejection
 
 
 # --------------------------------------------------------------------------------------------------------- reward

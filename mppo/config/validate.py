@@ -2,12 +2,15 @@
 
 Each failure is one ConfigError naming the key, what is wrong and how to fix it. Things that are legal but
 almost surely unintended are ConfigWarnings. Whether data files or model directories exist is left to the data
-loader and model builder (they report it with the file name).
+loader and model builder (they report it with the file name); where a model's config.json is there, the
+sequence lengths are checked against its position limit.
 """
 from __future__ import annotations
 
 import difflib
+import json
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from mppo.config.loader import get_key, resolve, schema_leaves, show
@@ -223,11 +226,92 @@ def _check_algorithm(cfg: MppoConfig) -> None:
                     "set trainer.critic_warmup=0")
     if cfg.actor_rollout_ref.model.transformer_impl == "te" and cfg.trainer.device == "cpu":
         raise _fail("actor_rollout_ref.model.transformer_impl", "te", "Transformer Engine needs CUDA but "
-                    "trainer.device = 'cpu'", "use transformer_impl=local (or auto)")
+                    "trainer.device = 'cpu'", "use transformer_impl=auto or sdpa (fused attention on CPU), or "
+                    "transformer_impl=local")
     val = rollout.val_kwargs
     if val.n > 1 and not val.do_sample:
         warnings.warn(f"{ROLLOUT}.val_kwargs.n = {val.n} with do_sample = false gives {val.n} identical greedy "
                       "responses; set val_kwargs.do_sample=true or val_kwargs.n=1", ConfigWarning, 3)
+
+
+# ---------------------------------------------------------------------------------------------- rollout correction
+RC = "algorithm.rollout_correction"
+
+
+def _check_rollout_correction(cfg: MppoConfig) -> None:
+    """Choices and thresholds of algorithm.rollout_correction, parsed by the same code that uses them."""
+    from mppo.core_algos import (  # lazy: core_algos imports torch
+        ROLLOUT_IS_LEVELS, ROLLOUT_LOSS_TYPES, ROLLOUT_RS_OPTIONS, parse_rollout_is_threshold,
+        parse_rollout_rs_thresholds)
+
+    rc, loss_mode = cfg.algorithm.rollout_correction, cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+    if rc.rollout_is is not None:
+        _check_choice(f"{RC}.rollout_is", rc.rollout_is, ROLLOUT_IS_LEVELS, "IS level (or null: off)")
+    _check_choice(f"{RC}.loss_type", rc.loss_type, ROLLOUT_LOSS_TYPES, "bypass-mode loss type")
+    try:
+        parse_rollout_is_threshold(rc.rollout_is_threshold)
+    except (TypeError, ValueError) as err:
+        raise _fail(f"{RC}.rollout_is_threshold", rc.rollout_is_threshold, str(err).rstrip("."),
+                    "give a number (TIS upper bound, e.g. 2.0) or 'lower_upper' (IcePop, e.g. '0.5_5.0')") from None
+    if rc.rollout_rs is not None:
+        options = [o.strip() for o in rc.rollout_rs.split(",") if o.strip()]
+        if not options:
+            raise _fail(f"{RC}.rollout_rs", rc.rollout_rs, "names no criterion", "use null (off) or e.g. 'seq_mean_k3'")
+        _check_choice(f"{RC}.rollout_rs", options, ROLLOUT_RS_OPTIONS, "rejection criterion")
+        if rc.rollout_rs_threshold is None:
+            raise _fail(f"{RC}.rollout_rs_threshold", None, f"rollout_rs = '{rc.rollout_rs}' needs its threshold",
+                        "set one value, or one per criterion (comma separated; k1 criteria: 'lower_upper')")
+        try:
+            parse_rollout_rs_thresholds(list(dict.fromkeys(options)), rc.rollout_rs_threshold)
+        except (TypeError, ValueError) as err:
+            raise _fail(f"{RC}.rollout_rs_threshold", rc.rollout_rs_threshold, str(err).rstrip("."),
+                        "k2/k3 criteria take one positive bound, k1 ones ratio bounds 'lower_upper' "
+                        "(e.g. '0.5_2.0')") from None
+    if rc.bypass_mode and loss_mode != "vanilla":
+        raise _fail(f"{RC}.bypass_mode", True, f"bypass mode has its own loss ({RC}.loss_type), so "
+                    f"actor.policy_loss.loss_mode = '{loss_mode}' would be ignored",
+                    "set actor_rollout_ref.actor.policy_loss.loss_mode=vanilla, or bypass_mode=false")
+    if rc.bypass_mode and rc.rollout_is_batch_normalize:
+        raise _fail(f"{RC}.rollout_is_batch_normalize", True, "bypass mode computes the IS weights inside each "
+                    "micro-batch's loss, where a batch mean would depend on the micro-batch split",
+                    "set it to false, or bypass_mode=false (then the mean is over the global batch)")
+    if not rc.bypass_mode and rc.loss_type != "ppo_clip":
+        warnings.warn(f"{RC}.loss_type = '{rc.loss_type}' only applies with {RC}.bypass_mode=true; the actor uses "
+                      "actor.policy_loss.loss_mode", ConfigWarning, 3)
+
+
+# ------------------------------------------------------------------------------------------------- model limits
+def _max_positions(model_path: str) -> int | None:
+    """max_position_embeddings from the model's config.json; None when there is none to read (the model loader
+    reports a missing or broken model directory with its own message)."""
+    try:
+        config = json.loads((Path(model_path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    limit = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return limit if isinstance(limit, int) else None
+
+
+def check_model_limits(cfg: MppoConfig) -> None:
+    """A prompt + response sequence must fit the positions of every model that reads it (actor, critic): rotary
+    embeddings beyond max_position_embeddings are outside what the model was trained for, and the CPU engine
+    refuses them mid-run. Models whose config.json is not at hand are skipped."""
+    prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
+    models = [("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path)]
+    if cfg.critic.enable:
+        models.append(("critic.model.path", cfg.critic.model.path))
+    checked = set()
+    for key, path in models:
+        if not path or path in checked:
+            continue
+        checked.add(path)
+        limit = _max_positions(path)
+        if limit is not None and prompt + response > limit:
+            fix = (f"lower data.max_response_length to at most {limit - prompt}" if prompt < limit
+                   else "lower data.max_prompt_length and data.max_response_length")
+            raise ConfigError(f"data.max_prompt_length + data.max_response_length = {prompt} + {response} = "
+                              f"{prompt + response} tokens, more than the model's max_position_embeddings = {limit} "
+                              f"({key}={path!r}); {fix}, or use a model with more positions")
 
 
 # ------------------------------------------------------------------------------------------------------ public API
@@ -241,6 +325,7 @@ def validate(cfg: MppoConfig, world_size: int | None = None) -> None:
     _check_choices(cfg)
     _check_ranges(cfg)
     _check_algorithm(cfg)
+    _check_rollout_correction(cfg)
     world, world_text = _world(cfg, world_size)
     n_per_node, rollout_tp = cfg.trainer.n_gpus_per_node, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     if n_per_node % rollout_tp:
@@ -254,3 +339,4 @@ def validate(cfg: MppoConfig, world_size: int | None = None) -> None:
                                 _data_parallel_size(cfg, REF, world, world_text))
     if cfg.critic.enable:
         _check_batches(cfg, "critic", _data_parallel_size(cfg, "critic", world, world_text))
+    check_model_limits(cfg)

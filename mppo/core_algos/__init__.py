@@ -15,6 +15,9 @@ of the function that has it; the full list is in ppo_math.md section 7). Modules
   pg_losses_token.py   vanilla (dual clip, clip-higher), dppo_tv/kl, cispo, sapo, gpg, dro
   pg_losses_coupled.py gspo, geo_mean, clip_cov, kl_cov
   losses.py            compute_policy_loss / compute_value_loss / compute_entropy_loss
+  rollout_correction.py  rollout correction: IS weights (TIS / IcePop), rejection masks, the unified function
+  rollout_corr_metrics.py  their rollout_corr/ diagnostics (IS, rejection, off-policy KL / PPL / chi2)
+  pg_losses_bypass.py  rollout-correction bypass mode's losses (PPO clip or REINFORCE on pi / pi_rollout)
 
 Imports only torch and numpy, so mppo.config can import the registries cheaply.
 """
@@ -75,6 +78,20 @@ from .pg_losses_token import (
     compute_policy_loss_vanilla,
 )
 from .pg_registry import POLICY_LOSS_REGISTRY, PolicyLossParams, get_policy_loss_fn, register_policy_loss
+from .pg_losses_bypass import compute_policy_loss_bypass_mode, compute_policy_loss_reinforce
+from .rollout_corr_metrics import compute_is_metrics, compute_offpolicy_metrics, compute_rs_metrics
+from .rollout_correction import (
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_LOSS_TYPES,
+    ROLLOUT_RS_OPTIONS,
+    RolloutCorrectionParams,
+    compute_rollout_correction_and_rejection_mask,
+    compute_rollout_correction_weights,
+    compute_rollout_rejection_mask,
+    parse_rollout_is_threshold,
+    parse_rollout_rs_options,
+    parse_rollout_rs_thresholds,
+)
 
 __all__ = [
     # masked helpers
@@ -99,6 +116,13 @@ __all__ = [
     "compute_policy_loss_dppo_kl", "compute_policy_loss_cispo", "compute_policy_loss_sapo",
     "compute_policy_loss_gpg", "compute_policy_loss_dro", "compute_policy_loss_gspo",
     "compute_policy_loss_geo_mean", "compute_policy_loss_clip_cov", "compute_policy_loss_kl_cov",
+    "compute_policy_loss_reinforce", "compute_policy_loss_bypass_mode",
     # value / entropy
     "compute_value_loss", "compute_entropy_loss",
+    # rollout correction
+    "ROLLOUT_IS_LEVELS", "ROLLOUT_RS_OPTIONS", "ROLLOUT_LOSS_TYPES", "RolloutCorrectionParams",
+    "parse_rollout_is_threshold", "parse_rollout_rs_options", "parse_rollout_rs_thresholds",
+    "compute_rollout_correction_weights", "compute_rollout_rejection_mask",
+    "compute_rollout_correction_and_rejection_mask", "compute_is_metrics", "compute_rs_metrics",
+    "compute_offpolicy_metrics",
 ]

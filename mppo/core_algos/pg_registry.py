@@ -18,6 +18,7 @@ from typing import Callable, Protocol
 import torch
 
 from .agg import GlobalBatchInfo, agg_loss
+from .rollout_correction import RolloutCorrectionParams
 
 __all__ = [
     "PolicyLossParams",
@@ -45,6 +46,7 @@ class PolicyLossParams:
     kl_cov_ratio: float = 0.0002  # kl_cov: fraction of valid tokens that get the |log-ratio| penalty
     ppo_kl_coef: float = 0.1  # kl_cov: coefficient of that penalty
     dro_beta: float | None = None  # dro: quadratic log-ratio penalty; required (> 0) for loss_mode "dro"
+    rollout_correction: RolloutCorrectionParams | None = None  # bypass_mode: IS weights / rejection / loss_type
 
     @property
     def low(self) -> float:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from mppo.models.builders import build_gpt_model
 from mppo.models.checkpoint import checkpoint_hf_dir, load_model_checkpoint, save_model_checkpoint
 from mppo.models.hf_config import HFModelArgs, hf_dtype, read_hf_config
+from mppo.models.spec import TRANSFORMER_IMPLS
 from mppo.models.weights import iter_hf_weights, load_hf_weights, save_hf_checkpoint
 from mppo.errors import UserError
 from mppo.parallel import destroy, init_distributed
@@ -43,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--pp", type=int, default=1, help="pipeline parallel size used for the conversion")
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="parameter dtype (auto: the dtype in config.json, else float32)")
-        p.add_argument("--transformer-impl", default="auto", choices=["auto", "te", "local"])
+        p.add_argument("--transformer-impl", default="auto", choices=TRANSFORMER_IMPLS)
         p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     gguf = sub.add_parser("gguf-to-hf", help="dequantize a GGUF model to an fp32 HF model directory")
     source = gguf.add_mutually_exclusive_group(required=True)

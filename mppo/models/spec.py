@@ -1,17 +1,29 @@
-"""Which transformer layer implementation to build: Transformer Engine (GPU) or megatron-core's local one.
+"""Which transformer layer implementation to build: Transformer Engine, megatron-core's local layers with SDPA
+attention, or megatron-core's local layers as they are.
 
-`transformer_impl`: "auto" picks TE when CUDA is present and `transformer_engine` imports, local otherwise;
-"te" and "local" force one. TE has no CPU path, so "te" without CUDA or without the package is an error.
+`transformer_impl`:
+- "auto": TE when CUDA is present and `transformer_engine` imports, else "sdpa";
+- "te": Transformer Engine's layers (CUDA only; an error without CUDA or without the package);
+- "sdpa": megatron-core's local layers with `mppo.models.attention.SDPAttention` as the core attention (fused
+  flash / memory-efficient attention on CUDA and CPU, O(s) memory);
+- "local": megatron-core's local layers unchanged; its DotProductAttention materialises [b, heads, s, s] scores.
+  Kept as the reference the SDPA spec is tested against, and selectable.
+
+Each implementation is a builder in `SPEC_BUILDERS` taking the options of megatron's spec functions
+(`get_gpt_layer_local_spec` / `get_gpt_layer_with_transformer_engine_spec`: e.g. num_experts, qk_layernorm), so a
+new architecture option is one keyword passed through `gpt_layer_spec`.
 """
 from __future__ import annotations
 
-from typing import Literal
+import dataclasses
+from typing import Any, Callable, Literal
 
 import torch
 
 from mppo.errors import UserError
 
-TransformerImpl = Literal["auto", "te", "local"]
+TransformerImpl = Literal["auto", "te", "sdpa", "local"]
+TRANSFORMER_IMPLS = ("auto", "te", "sdpa", "local")
 
 
 class MissingGpuPackageError(UserError, ImportError):
@@ -31,29 +43,53 @@ def transformer_engine_available() -> bool:
     return torch.cuda.is_available() and _transformer_engine_imports()
 
 
-def resolve_transformer_impl(transformer_impl: TransformerImpl) -> Literal["te", "local"]:
-    """"te" or "local" for a `transformer_impl` setting; raises MissingGpuPackageError when "te" cannot run."""
-    if transformer_impl == "local":
-        return "local"
+def resolve_transformer_impl(transformer_impl: TransformerImpl) -> Literal["te", "sdpa", "local"]:
+    """The implementation a `transformer_impl` setting builds; raises MissingGpuPackageError when "te" cannot run."""
+    if transformer_impl in ("sdpa", "local"):
+        return transformer_impl
     if transformer_impl == "auto":
-        return "te" if transformer_engine_available() else "local"
+        return "te" if transformer_engine_available() else "sdpa"
     if transformer_impl == "te":
         if not _transformer_engine_imports():
             raise MissingGpuPackageError(
                 "transformer_impl='te' needs Transformer Engine, which does not import here: "
-                "pip install mppo[gpu] on a CUDA machine (or use transformer_impl='local')")
+                "pip install mppo[gpu] on a CUDA machine (or use transformer_impl='sdpa')")
         if not torch.cuda.is_available():
             raise MissingGpuPackageError(
                 "transformer_impl='te' needs a CUDA GPU (Transformer Engine has no CPU path); "
-                "use transformer_impl='local' or 'auto' on CPU")
+                "use transformer_impl='sdpa' or 'auto' on CPU")
         return "te"
-    raise ValueError(f"transformer_impl must be 'auto', 'te' or 'local', got {transformer_impl!r}")
+    raise ValueError(f"transformer_impl must be one of {', '.join(repr(i) for i in TRANSFORMER_IMPLS)}, "
+                     f"got {transformer_impl!r}")
 
 
-def gpt_layer_spec(transformer_impl: TransformerImpl = "auto"):
-    """megatron's GPT layer ModuleSpec for a dense RMSNorm/SwiGLU decoder layer."""
+def _te_spec(**options: Any):
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if resolve_transformer_impl(transformer_impl) == "te":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**options)
+
+
+def _local_spec(**options: Any):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **options)
+
+
+def _sdpa_spec(**options: Any):
+    """The local spec with its core attention (DotProductAttention) replaced by SDPAttention."""
+    from mppo.models.attention import SDPAttention
+
+    layer = _local_spec(**options)
+    attention = layer.submodules.self_attention
+    attention = dataclasses.replace(
+        attention, submodules=dataclasses.replace(attention.submodules, core_attention=SDPAttention))
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention))
+
+
+SPEC_BUILDERS: dict[str, Callable[..., Any]] = {"te": _te_spec, "sdpa": _sdpa_spec, "local": _local_spec}
+
+
+def gpt_layer_spec(transformer_impl: TransformerImpl = "auto", **options: Any):
+    """megatron's GPT layer ModuleSpec for an RMSNorm/SwiGLU decoder layer. `options` go to megatron's spec
+    function (num_experts, qk_layernorm, ...)."""
+    return SPEC_BUILDERS[resolve_transformer_impl(transformer_impl)](**options)

@@ -12,7 +12,7 @@ the rows for tensor parallelism without sequence parallelism (mppo builds withou
 (bytes, 16-bit activations), itemised so that it holds for this architecture: the paper's GeLU MLP (4h in, 4h out)
 becomes SwiGLU (2F fc1 output + F fc2 input), its K/V become GQA's g heads, dropout masks are dropped (mppo's
 models use dropout 0), and the s² attention-score term exists only with unfused (local) attention: Transformer
-Engine's fused/flash attention keeps an fp32 log-sum-exp per head and token instead. Pipeline stages hold several
+Engine's and SDPA's fused/flash attention keep an fp32 log-sum-exp per head and token instead. Pipeline stages hold several
 micro-batches at once: megatron's 1F1B warm-up count (interleaved: the paper's factor 1 + (p-1)/(p·v)).
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ class Precision:
     grad_bytes: int  # fp32 main grads
     master_bytes: int  # fp32 master copy of 16-bit params in the optimizer, 0 for fp32 params
     act_bytes: int  # activations: the compute dtype
-    flash_attention: bool  # TE fused attention (no s² scores kept)
+    flash_attention: bool  # TE or SDPA fused attention (no s² scores kept)
 
     @staticmethod
     def for_dtype(param_bytes: int, flash_attention: bool) -> "Precision":

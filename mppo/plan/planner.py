@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mppo.config import MppoConfig, resolve
-from mppo.config.decisions import old_log_prob_reuse
+from mppo.config.decisions import old_log_prob_pass
 from mppo.models.hf_config import HFModelArgs
 from mppo.plan import memory as mem
 from mppo.plan.catalog import DEVICES, DeviceSpec, GiB
@@ -98,7 +98,7 @@ class Plan:
     params: int
     device: DeviceSpec
     dtype: str  # parameter dtype: bf16 | fp32
-    attention: str  # flash (Transformer Engine) | unfused (local spec)
+    attention: str  # flash (Transformer Engine or SDPA) | unfused (local spec)
     world: int
     sequence_len: int
     roles: list[RolePlan]
@@ -258,7 +258,7 @@ def plan(cfg: MppoConfig, hf_args: HFModelArgs, device_memory_bytes: int | None 
     on_gpu = device != "cpu"
     arr = cfg.actor_rollout_ref
     dtype = arr.model.dtype if arr.model.dtype != "auto" else ("bf16" if on_gpu else "fp32")
-    flash = on_gpu and arr.model.transformer_impl in ("auto", "te")
+    flash = arr.model.transformer_impl != "local"  # TE and SDPA attention keep no [s, s] scores
     prec = mem.Precision.for_dtype(2 if dtype == "bf16" else 4, flash)
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
@@ -279,7 +279,7 @@ def plan(cfg: MppoConfig, hf_args: HFModelArgs, device_memory_bytes: int | None 
     rollout = _rollout(cfg, hf_args, spec, resident + reserve + engine_resident, world, seq)
     step = _step_time(cfg, hf_args, layouts, rollout, spec, world, mfu) if spec.peak_flops else None
     result = Plan(model=model_name or hf_args.model_type, params=mem.total_params(hf_args), device=spec, dtype=dtype,
-                  attention="flash (Transformer Engine)" if flash else "unfused (local spec)", world=world,
+                  attention="flash (Transformer Engine or SDPA)" if flash else "unfused (local spec)", world=world,
                   sequence_len=seq, roles=roles, runtime_reserve=reserve, training_phases=phases, logprob=logprob,
                   rollout=rollout, step=step, engine_resident=engine_resident,
                   allocator_retained=0.0 if on_gpu else max(phases.values()))
@@ -339,6 +339,6 @@ def _step_time(cfg: MppoConfig, a: HFModelArgs, layouts: list[mem.RoleLayout], r
     prefill, decode, waves = generation_time(a, work, spec.peak_flops, mfu, spec.hbm_bytes_per_s)
     return StepTime(mfu=mfu, world=world, peak_flops=spec.peak_flops, hbm_bytes_per_s=spec.hbm_bytes_per_s,
                     tokens=tokens, generation_s=prefill + decode, prefill_s=prefill, decode_s=decode,
-                    decode_waves=waves, old_log_prob_s=0.0 if old_log_prob_reuse(cfg)[0] else times["actor"],
+                    decode_waves=waves, old_log_prob_s=times["actor"] if old_log_prob_pass(cfg) else 0.0,
                     ref_s=times["ref"], values_s=times["critic"],
                     update_critic_s=times["update_critic"], update_actor_s=times["update_actor"])

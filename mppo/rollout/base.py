@@ -45,6 +45,10 @@ class SamplingParams:
 
     `seed` is the run seed: each sample's random stream is derived from (seed, step, global prompt index,
     sample index), see mppo.rollout.seeding.
+
+    `ignore_eos` (SGLang's and veRL's name) disables every token-based stop: neither `stop_token_ids` nor the
+    model config's eos ids end a sample, so each one runs to exactly `max_new_tokens` ("length"), stop tokens
+    included as ordinary tokens (fixed-length benchmarks).
     """
 
     n: int = 1
@@ -55,6 +59,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
     do_sample: bool = True
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -72,6 +77,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"SamplingParams.seed must be an int, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:

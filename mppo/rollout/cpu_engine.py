@@ -16,7 +16,6 @@ with mppo.models.weight_transport.release_staging_buffers() on every rank once t
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -24,20 +23,9 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from mppo.models.weight_transport import is_staged
 from mppo.rollout.base import NamedTensor, RolloutEngine, RolloutResponse, SamplingParams
-from mppo.rollout.cpu_model import PackedCausalLM, SequenceKV, check_supported
-from mppo.rollout.sampling import choose_tokens
+from mppo.rollout.cpu_decode import generate
+from mppo.rollout.cpu_model import PackedCausalLM, check_supported
 from mppo.rollout.seeding import sample_seed
-
-
-@dataclasses.dataclass
-class _Sample:
-    prompt_index: int  # local position in the prompt list
-    sample_index: int
-    cache: SequenceKV
-    generator: torch.Generator
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    log_probs: list[float] = dataclasses.field(default_factory=list)
-    finish_reason: str = ""
 
 
 class CPURolloutEngine(RolloutEngine):
@@ -140,47 +128,19 @@ class CPURolloutEngine(RolloutEngine):
         vocab = self._config.vocab_size
         if any(t >= vocab for p in prompt_token_ids for t in p):
             raise ValueError(f"a prompt contains a token id >= the vocabulary size {vocab}")
-        stop_ids = frozenset(sampling.stop_token_ids) | self._config_eos
-
-        caches = [self._runner.new_sequence(len(p) + sampling.max_new_tokens) for p in prompt_token_ids]
-        prompt_logits = self._runner.forward(prompt_token_ids, caches)  # the prompt is prefilled once for n samples
-        samples = [
-            _Sample(
-                prompt_index=p,
-                sample_index=s,
-                cache=caches[p].clone(),
-                generator=torch.Generator().manual_seed(sample_seed(sampling.seed, step, prompt_indices[p], s)),
-            )
-            for p in range(len(prompt_token_ids))
-            for s in range(sampling.n)
-        ]
-        del caches
-        active = samples
-        logits = prompt_logits[[s.prompt_index for s in samples]]
-        while active:
-            tokens, log_probs = choose_tokens(logits, sampling, [s.generator for s in active])
-            still_running = []
-            for sample, token, log_prob in zip(active, tokens.tolist(), log_probs.tolist()):
-                sample.tokens.append(token)
-                sample.log_probs.append(log_prob)
-                if token in stop_ids:
-                    sample.finish_reason = "stop"
-                elif len(sample.tokens) == sampling.max_new_tokens:
-                    sample.finish_reason = "length"
-                else:
-                    still_running.append(sample)
-            active = still_running
-            if active:
-                logits = self._runner.forward([[s.tokens[-1]] for s in active], [s.cache for s in active])
+        stop_ids = () if sampling.ignore_eos else tuple(sorted(set(sampling.stop_token_ids) | self._config_eos))
+        seeds = [sample_seed(sampling.seed, step, prompt_indices[p], s)
+                 for p in range(len(prompt_token_ids)) for s in range(sampling.n)]
+        out = generate(self._runner, prompt_token_ids, sampling, seeds, stop_ids)
         return [
             RolloutResponse(
-                prompt_index=prompt_indices[s.prompt_index],
-                sample_index=s.sample_index,
-                token_ids=s.tokens,
-                log_probs=s.log_probs,
-                finish_reason=s.finish_reason,  # type: ignore[arg-type]
+                prompt_index=prompt_indices[slot // sampling.n],
+                sample_index=slot % sampling.n,
+                token_ids=tokens,
+                log_probs=log_probs,
+                finish_reason=reason,  # type: ignore[arg-type]
             )
-            for s in samples
+            for slot, (tokens, log_probs, reason) in enumerate(out)
         ]
 
 

@@ -1,41 +1,43 @@
-"""A packed, batch-invariant forward over a transformers Llama-family model (Llama, Qwen2, Qwen3) with a KV cache.
+"""A batch-invariant forward over a transformers Llama-family model (Llama, Qwen2, Qwen3): prompt prefill and
+batched decode steps over a preallocated KV cache (mppo.rollout.cpu_attention).
 
 Why not call the HF model with left padding: padding changes the floating point of every padded sequence
-(attention reductions over a longer, shifted key axis), so a prompt gives last-bit different logits alone and in a
-batch. Here sequences are PACKED (no padding): the row-wise layers (embedding, norms, linears, MLP, lm_head) run over
-all tokens at once, and attention runs per sequence on that sequence's own, unpadded KV cache, so its shapes never
-depend on the other sequences. The weights and sub-modules are the HF model's own; only the order of calls is here.
+(attention reductions over a longer, shifted key axis), so a prompt gives last-bit different logits alone and in
+a batch. Here the row-wise layers (embedding, norms, linears, MLP, lm_head) run over all rows at once (packed
+prompt tokens in prefill, one row per sample in decode), and attention is arranged so that its shapes and
+reduction orders never depend on the other sequences (see cpu_attention). The weights are the HF model's own
+Parameters (update_weights swaps their storage); the layers here call torch functionals on them, the same math
+as the HF modules without their per-call module overhead.
 
-Batch invariance then rests on one property of the CPU GEMM: a row's result does not depend on the other rows.
-torch's CPU BLAS gives that for >= 4 rows when single-threaded (measured: 1, 2-3 and >= 4 rows take three different
-kernels), so every linear sees at least MIN_ROWS rows (zero rows are appended). With several intra-op threads the
-BLAS splits rows across threads and small per-thread blocks take the other kernels: then results can differ in the
-last bit with the batch, and only the sampled tokens stay the same (except at genuine near-ties; see sampling.py).
+Batch invariance of the row-wise layers rests on two properties of torch on CPU, single-threaded, which
+tests/test_rollout_cpu_engine.py checks on the machine it runs on: a GEMM row's result does not depend on the
+other rows (measured: 1, 2-3 and >= 4 rows take three different kernels, so every product sees at least
+MIN_ROWS rows), and the elementwise ops used give an element the same bits wherever it sits in the tensor. The
+second holds for exact IEEE ops and for exp, log and cos (their vectorised loops handle the tail with a partial
+vector), but not for silu or sigmoid, whose scalar tail code (std::exp) can differ in the last bit from the
+vector code: so SiLU is computed here as x / (1 + exp(-x)). With several intra-op threads, BLAS and elementwise
+kernels split work by thread and results could depend on the batch: the engine instead runs one single-threaded
+worker per thread on its own share of the prompts (mppo.rollout.cpu_decode), so results stay bitwise the same.
+
+Layers are small classes, one per architecture feature (DecoderLayer = norm -> Attention -> norm -> MLP), so an
+architecture with another MLP (MoE) or attention variant swaps one part.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from mppo.rollout.cpu_attention import (
+    DecodeLayout,
+    PromptKV,
+    SampleKV,
+    decode_attention,
+    prefill_attention,
+)
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-# Every row-wise layer runs on at least this many rows: see the module docstring (>= 4 needed, 16 for margin).
+# Every batch has at least this many rows (>= 4 needed, see the module docstring; 16 for margin).
 MIN_ROWS = 16
-
-
-class SequenceKV:
-    """One sequence's KV cache: per layer a key and a value buffer [kv_heads, capacity, head_dim]."""
-
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int = 0) -> None:
-        self.keys = keys
-        self.values = values
-        self.length = length  # positions filled so far
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[1]
-
-    def clone(self) -> SequenceKV:
-        return SequenceKV([k.clone() for k in self.keys], [v.clone() for v in self.values], self.length)
 
 
 def check_supported(config) -> None:
@@ -44,107 +46,186 @@ def check_supported(config) -> None:
         raise ValueError(
             f"The CPU rollout engine supports model_type in {SUPPORTED_MODEL_TYPES}, got {config.model_type!r}"
         )
+    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"The CPU rollout engine supports the SiLU MLP activation only, got {config.hidden_act!r}")
     layer_types = getattr(config, "layer_types", None) or ()
     if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
         raise ValueError("The CPU rollout engine supports full attention only; this config enables sliding windows")
 
 
+class RMSNorm:
+    """HF's Llama/Qwen RMSNorm (fp32 weights: weight * x / sqrt(mean(x^2) + eps)) as one fused torch call."""
+
+    def __init__(self, hf_norm: torch.nn.Module) -> None:
+        self.weight = hf_norm.weight  # the Parameter itself: update_weights may swap its storage
+        self.eps = hf_norm.variance_epsilon
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def _linear(hf_linear: torch.nn.Linear) -> tuple[torch.nn.Parameter, torch.nn.Parameter | None]:
+    return hf_linear.weight, hf_linear.bias
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x) from ops whose results do not depend on an element's position (F.silu's do, see the module
+    docstring); equal to F.silu within an ulp."""
+    return x / torch.exp(-x).add_(1.0)
+
+
+class GatedMLP:
+    """down(act(gate(x)) * up(x)): Llama, Qwen2, Qwen3 dense MLPs (biases where the config has them)."""
+
+    def __init__(self, hf_mlp: torch.nn.Module) -> None:
+        self.gate, self.up, self.down = _linear(hf_mlp.gate_proj), _linear(hf_mlp.up_proj), _linear(hf_mlp.down_proj)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # the activation is SiLU (check_supported)
+        return F.linear(silu(F.linear(x, *self.gate)) * F.linear(x, *self.up), *self.down)
+
+
+class Rope:
+    """HF's rotate-half RoPE from a table of cos/sin by position (one table per generate() call)."""
+
+    def __init__(self, hf_rotary: torch.nn.Module, head_dim: int, max_positions: int, dtype: torch.dtype) -> None:
+        cos, sin = hf_rotary(torch.zeros(1, max_positions, head_dim, dtype=dtype), torch.arange(max_positions)[None])
+        half = head_dim // 2
+        self.cos = cos[0]
+        # rotate_half(x) * sin = cat(-x2, x1) * sin = cat(x2, x1) * cat(-sin1, sin2): the same products, bit for bit
+        self.signed_sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for rows at `positions`, [rows, 1, head_dim] (broadcast over heads)."""
+        return self.cos[positions][:, None, :], self.signed_sin[positions][:, None, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        # roll by half a head = cat(x2, x1): pure data movement
+        return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+class Attention:
+    """Grouped-query self-attention with RoPE (and Qwen3's per-head q/k RMSNorm), from an HF attention module."""
+
+    def __init__(self, hf_attention: torch.nn.Module) -> None:
+        self.q, self.k, self.v = (_linear(hf_attention.q_proj), _linear(hf_attention.k_proj),
+                                  _linear(hf_attention.v_proj))
+        self.o = _linear(hf_attention.o_proj)
+        self.head_dim = hf_attention.head_dim
+        self.scale = hf_attention.scaling
+        has_qk_norm = hasattr(hf_attention, "q_norm")
+        self.q_norm = RMSNorm(hf_attention.q_norm) if has_qk_norm else None
+        self.k_norm = RMSNorm(hf_attention.k_norm) if has_qk_norm else None
+
+    def _project(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+        rows = x.shape[0]
+        q = F.linear(x, *self.q).view(rows, -1, self.head_dim)
+        k = F.linear(x, *self.k).view(rows, -1, self.head_dim)
+        v = F.linear(x, *self.v).view(rows, -1, self.head_dim)
+        if self.q_norm is not None:  # Qwen3 normalises q and k per head before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        heads = q.shape[1]
+        qk = Rope.apply(torch.cat((q, k), dim=1), *cos_sin)  # one RoPE for the query and key heads
+        return qk[:, :heads], qk[:, heads:], v
+
+    def prefill(self, x, cos_sin, layer: int, cache: PromptKV, starts: list[int]) -> torch.Tensor:
+        q, k, v = self._project(x, cos_sin)
+        out = prefill_attention(q, k, v, self.scale, cache, layer, starts)
+        return F.linear(out.view(x.shape[0], -1), *self.o)
+
+    def decode(self, x, cos_sin, layer: int, prompts: PromptKV, samples: SampleKV, step: int,
+               layout: DecodeLayout) -> torch.Tensor:
+        q, k, v = (layout.to_slots(t) for t in self._project(x, cos_sin))  # batch rows -> attention slots
+        out = layout.to_rows(decode_attention(q, k, v, self.scale, prompts, samples, layer, step, layout.n))
+        return F.linear(out.reshape(x.shape[0], -1), *self.o)
+
+
+class DecoderLayer:
+    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, hf_layer: torch.nn.Module) -> None:
+        self.input_norm = RMSNorm(hf_layer.input_layernorm)
+        self.attention = Attention(hf_layer.self_attn)
+        self.post_attention_norm = RMSNorm(hf_layer.post_attention_layernorm)
+        self.mlp = GatedMLP(hf_layer.mlp)
+
+    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.mlp(self.post_attention_norm(hidden))
+
+
 class PackedCausalLM:
-    """Runs `hf_model` (a *ForCausalLM from SUPPORTED_MODEL_TYPES) over packed sequences with per-sequence caches."""
+    """Runs `hf_model` (a *ForCausalLM from SUPPORTED_MODEL_TYPES): prefill of packed prompts, then decode steps."""
 
     def __init__(self, hf_model: torch.nn.Module) -> None:
         check_supported(hf_model.config)
         self._model = hf_model
+        self.layers = [DecoderLayer(layer) for layer in hf_model.model.layers]
         attn = hf_model.model.layers[0].self_attn
-        self.num_layers = len(hf_model.model.layers)
         self.head_dim = attn.head_dim
         self.kv_heads = hf_model.config.num_key_value_heads
         self.dtype = hf_model.model.embed_tokens.weight.dtype
+        self.embedding = hf_model.model.embed_tokens.weight
+        self.final_norm = RMSNorm(hf_model.model.norm)
+        self.lm_head = hf_model.lm_head.weight  # tied models share the embedding Parameter here
 
-    def new_sequence(self, capacity: int) -> SequenceKV:
-        """An empty cache for a sequence of at most `capacity` tokens (prompt + generated)."""
-        shape = (self.kv_heads, capacity, self.head_dim)
-        keys = [torch.empty(shape, dtype=self.dtype) for _ in range(self.num_layers)]
-        values = [torch.empty(shape, dtype=self.dtype) for _ in range(self.num_layers)]
-        return SequenceKV(keys, values)
+    # ---- caches and RoPE ----------------------------------------------------------------------------------
+    def allocate_prompts(self, lengths: list[int]) -> PromptKV:
+        return PromptKV.allocate(lengths, len(self.layers), self.kv_heads, self.head_dim, self.dtype)
+
+    def allocate_samples(self, prompts: int, n: int, capacity: int) -> SampleKV:
+        return SampleKV.allocate(prompts, n, capacity, len(self.layers), self.kv_heads, self.head_dim, self.dtype)
+
+    def rope(self, max_positions: int) -> Rope:
+        """RoPE for positions 0..max_positions-1 (read-only: workers share it)."""
+        with torch._C.DisableTorchFunction():
+            return Rope(self._model.model.rotary_emb, self.head_dim, max_positions, self.dtype)
+
+    # ---- forward ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]], cache: PromptKV, rope: Rope) -> torch.Tensor:
+        """Run the packed prompts, filling `cache`; float32 logits after each prompt's last token, [prompts, V]."""
+        # Torch-function modes (mppo.parallel.cpu_compat installs two, process-wide, for megatron on CPU) wrap every
+        # torch call in Python; decoding makes thousands of small calls, and none of them needs the modes (CPU
+        # tensors only), so they are switched off here. Results are unchanged: the modes only rewrite CUDA
+        # arguments and tensor type names.
+        with torch._C.DisableTorchFunction():
+            lengths = [len(p) for p in prompts]
+            starts = [0]
+            for n in lengths[:-1]:
+                starts.append(starts[-1] + n)
+            total = starts[-1] + lengths[-1]
+            rows = max(total, MIN_ROWS)
+            ids = torch.zeros(rows, dtype=torch.long)
+            ids[:total] = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+            positions = torch.zeros(rows, dtype=torch.long)
+            positions[:total] = torch.cat([torch.arange(n) for n in lengths])
+            cos_sin = rope.at(positions)
+            hidden = F.embedding(ids, self.embedding)
+            for index, layer in enumerate(self.layers):
+                x = layer.input_norm(hidden)
+                hidden = hidden + layer.attention.prefill(x, cos_sin, index, cache, starts)
+                hidden = layer.feed_forward(hidden)
+            last = torch.tensor([s + n - 1 for s, n in zip(starts, lengths)])
+            return self._logits(hidden, last)
 
     @torch.no_grad()
-    def forward(self, token_ids: list[list[int]], caches: list[SequenceKV]) -> torch.Tensor:
-        """Append token_ids[i] to sequence i and return float32 logits after its last new token, [len(caches), V]."""
-        # Torch-function modes (mppo.parallel.cpu_compat installs two, process-wide, for megatron on CPU) wrap every
-        # torch call in Python; decoding makes thousands of small calls per token, and none of them needs the
-        # modes (CPU tensors only), so they are switched off here. Results are unchanged: the modes only rewrite
-        # CUDA arguments and tensor type names.
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, prompts: PromptKV, samples: SampleKV, step: int,
+               layout: DecodeLayout, rope: Rope) -> torch.Tensor:
+        """One step for every row: token ids [rows] at absolute `positions` [rows], generated position `step`.
+        Returns float32 logits [rows, V]."""
         with torch._C.DisableTorchFunction():
-            return self._forward(token_ids, caches)
+            cos_sin = rope.at(positions)
+            hidden = F.embedding(tokens, self.embedding)
+            for index, layer in enumerate(self.layers):
+                x = layer.input_norm(hidden)
+                hidden = hidden + layer.attention.decode(x, cos_sin, index, prompts, samples, step, layout)
+                hidden = layer.feed_forward(hidden)
+            return self._logits(hidden, None)
 
-    def _forward(self, token_ids: list[list[int]], caches: list[SequenceKV]) -> torch.Tensor:
-        lengths = [len(t) for t in token_ids]
-        for cache, n in zip(caches, lengths, strict=True):
-            if n == 0 or cache.length + n > cache.capacity:
-                raise ValueError(f"cannot append {n} tokens to a sequence of {cache.length}/{cache.capacity}")
-        starts = [0]
-        for n in lengths[:-1]:
-            starts.append(starts[-1] + n)
-        total = starts[-1] + lengths[-1]
-        rows = max(total, MIN_ROWS)
-        ids = torch.zeros(rows, dtype=torch.long)
-        ids[:total] = torch.tensor([t for seq in token_ids for t in seq], dtype=torch.long)
-        positions = torch.zeros(rows, dtype=torch.long)
-        positions[:total] = torch.tensor([c.length + i for c, n in zip(caches, lengths) for i in range(n)])
-
-        decoder = self._model.model
-        hidden = decoder.embed_tokens(ids)
-        cos, sin = decoder.rotary_emb(hidden[None], positions[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [rows, 1, head_dim]: broadcast over heads
-        for layer_index, layer in enumerate(decoder.layers):
-            attn_out = self._attention(layer, layer_index, hidden, cos, sin, caches, starts, lengths)
-            hidden = hidden + attn_out
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        for cache, n in zip(caches, lengths):
-            cache.length += n
-
-        last = torch.zeros(max(len(caches), MIN_ROWS), hidden.shape[-1], dtype=hidden.dtype)
-        last[: len(caches)] = hidden[[s + n - 1 for s, n in zip(starts, lengths)]]
-        logits = self._model.lm_head(decoder.norm(last))
-        return logits[: len(caches)].float()
-
-    def _attention(self, layer, layer_index, hidden, cos, sin, caches, starts, lengths) -> torch.Tensor:
-        attn = layer.self_attn
-        rows = hidden.shape[0]
-        x = layer.input_layernorm(hidden)
-        q = attn.q_proj(x).view(rows, -1, self.head_dim)
-        k = attn.k_proj(x).view(rows, -1, self.head_dim)
-        v = attn.v_proj(x).view(rows, -1, self.head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-
-        # Head-major views [heads, rows, head_dim], made once: the loop below then slices them per sequence with
-        # the same strides (and so the same numerics) as slicing and transposing each sequence's rows.
-        q_heads, k_heads, v_heads = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        out = torch.zeros_like(q)
-        out_heads = out.transpose(0, 1)
-        for cache, start, n in zip(caches, starts, lengths):
-            end, past = start + n, cache.length
-            k_cache, v_cache = cache.keys[layer_index], cache.values[layer_index]
-            k_cache[:, past : past + n] = k_heads[:, start:end]
-            v_cache[:, past : past + n] = v_heads[:, start:end]
-            # Token i of the new block sees every cached position and new positions <= i.
-            mask = None if n == 1 else torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
-            out_heads[:, start:end] = F.scaled_dot_product_attention(
-                q_heads[None, :, start:end],
-                k_cache[None, :, : past + n],
-                v_cache[None, :, : past + n],
-                attn_mask=mask,
-                scale=attn.scaling,
-                enable_gqa=True,
-            )[0]
-        return attn.o_proj(out.reshape(rows, -1))
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's rotate-half RoPE on [rows, heads, head_dim] with cos/sin [rows, 1, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    def _logits(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        if rows is not None:
+            picked = torch.zeros(max(rows.numel(), MIN_ROWS), hidden.shape[-1], dtype=hidden.dtype)
+            picked[: rows.numel()] = hidden[rows]
+            hidden = picked
+        logits = F.linear(self.final_norm(hidden), self.lm_head).float()
+        return logits if rows is None else logits[: rows.numel()]

@@ -127,6 +127,7 @@ def build_generate_request(
                     "top_p": 1.0 if sampling.greedy else sampling.top_p,
                     "top_k": -1 if sampling.greedy else sampling.top_k,
                     "stop_token_ids": list(sampling.stop_token_ids),
+                    "ignore_eos": sampling.ignore_eos,  # SGLang then ignores stop_token_ids and eos ids alike
                     "sampling_seed": sample_seed(sampling.seed, step, prompt_index, sample_index),
                 }
             )

@@ -151,14 +151,16 @@ def train_sampling(cfg: MppoConfig, tokenizer: Any) -> SamplingParams:
     r = cfg.actor_rollout_ref.rollout
     return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                           max_new_tokens=cfg.data.max_response_length, stop_token_ids=stop_token_ids(tokenizer),
-                          seed=cfg.trainer.seed, do_sample=True)
+                          seed=cfg.trainer.seed, do_sample=True, ignore_eos=r.ignore_eos)
 
 
 def val_sampling(cfg: MppoConfig, tokenizer: Any) -> SamplingParams:
     v = cfg.actor_rollout_ref.rollout.val_kwargs
     return SamplingParams(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k,
                           max_new_tokens=cfg.data.max_response_length, stop_token_ids=stop_token_ids(tokenizer),
-                          seed=cfg.trainer.seed, do_sample=v.do_sample)
+                          seed=cfg.trainer.seed, do_sample=v.do_sample,
+                          # veRL sets ignore_eos on the engine, so validation requests run to the limit too
+                          ignore_eos=cfg.actor_rollout_ref.rollout.ignore_eos)
 
 
 def build_engine(cfg: MppoConfig, device: torch.device) -> RolloutEngine:

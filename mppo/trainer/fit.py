@@ -25,14 +25,15 @@ import torch.distributed as dist
 
 from mppo import core_algos
 from mppo.config import ConfigError, MppoConfig, to_yaml
-from mppo.config.decisions import old_log_prob_reuse
+from mppo.config.decisions import old_log_prob_pass, old_log_prob_reuse
 from mppo.data.loader import PromptBatch
 from mppo.errors import UserError
 from mppo.parallel import collective_device
 from mppo.rollout.weight_sync import push_actor_weights
-from mppo.trainer import components, faults
+from mppo.trainer import components, faults, rollout_correction
 from mppo.trainer.checkpoint import CheckpointManager
-from mppo.trainer.metrics import MetricsLogger, StepTimer, compute_data_metrics, perf_metrics, plot_metrics
+from mppo.trainer.metrics import (UNREJECTED_MASK, MetricsLogger, StepTimer, compute_data_metrics, perf_metrics,
+                                  plot_metrics)
 from mppo.trainer.model_flops import ppo_step_flops
 from mppo.trainer.parallel_io import ModelParallelIO
 from mppo.trainer.rollout_batch import all_gather_rows, build_rollout_batch, local_rows
@@ -42,7 +43,8 @@ from mppo.trainer.watchdog import StallWatchdog, process_group_timeout_s, tie_ch
 log = logging.getLogger("mppo")
 
 # Tensors gathered over DP so advantages see the whole global batch.
-_ADV_INPUTS = ("token_level_scores", "old_log_probs", "ref_log_prob", "values", "response_mask", "uid")
+_ADV_INPUTS = ("token_level_scores", "old_log_probs", "ref_log_prob", "values", "response_mask", "uid",
+               "rollout_log_probs")
 
 
 class NonFiniteUpdatesError(UserError, FloatingPointError):
@@ -88,16 +90,20 @@ class PPOTrainer:
 
         self.total_steps = _total_steps(cfg, len(self.data.train_loader))
         model_path, n = arr.model.path, arr.rollout.n
+        self.reuse_old_log_prob, why_not = old_log_prob_reuse(cfg)
+        self.old_log_prob_pass = old_log_prob_pass(cfg)
+        self.rollout_corr = rollout_correction.RolloutCorrector(cfg, self.io.dp_group,
+                                                                reuse_old_log_prob=self.reuse_old_log_prob)
         self.actor = ActorWorker(arr.model, arr.actor, self.dims, model_path, total_steps=self.total_steps,
-                                 rollout_n=n)
+                                 rollout_n=n, rollout_correction=self.rollout_corr.params)
         self.use_critic = bool(cfg.critic.enable)
         self.critic = (CriticWorker(arr.model, cfg.critic, self.dims, cfg.critic.model.path,
                                     total_steps=self.total_steps, rollout_n=n) if self.use_critic else None)
         self.use_kl_in_reward = cfg.algorithm.use_kl_in_reward
         self.use_ref = self.use_kl_in_reward or arr.actor.use_kl_loss
-        self.reuse_old_log_prob, why_not = old_log_prob_reuse(cfg)
-        if arr.actor.reuse_on_policy_log_prob and self.is_main:
-            log.info("old log-probs: %s", "from the actor update's forward (on-policy step)"
+        if (arr.actor.reuse_on_policy_log_prob or self.rollout_corr.bypass) and self.is_main:
+            log.info("old log-probs: %s", "from the rollout engine (rollout correction bypass mode)"
+                     if self.rollout_corr.bypass else "from the actor update's forward (on-policy step)"
                      if self.reuse_old_log_prob else f"recomputed before the update: {why_not}")
         # With dynamic batch sizes the reference splits by the actor's token budget (as veRL's ref follows the
         # actor's log_prob_use_dynamic_bsz); otherwise by ref.log_prob_micro_batch_size_per_gpu.
@@ -199,10 +205,14 @@ class PPOTrainer:
                 if self.engine is not None:
                     self.engine.release()
             temperature = cfg.actor_rollout_ref.rollout.temperature
-            if not self.reuse_old_log_prob:
+            rollout_metrics: dict[str, float] = {}
+            if self.rollout_corr.bypass:  # rollout correction's bypass mode: the engine's log-probs are the old ones
+                batch["old_log_probs"] = batch["rollout_log_probs"]
+            elif self.old_log_prob_pass:
                 with self.phase(timer, "old_log_prob"):
                     batch["old_log_probs"], _ = self.actor.compute_log_prob(
                         batch, temperature=temperature, micro_batch_size=self.old_log_prob_micro_batch)
+                rollout_metrics.update(rollout_correction.mismatch_metrics(batch, self.io.dp_group))
             if self.ref is not None:
                 with self.phase(timer, "ref"):
                     batch["ref_log_prob"] = self.ref.compute_log_prob(batch, temperature=temperature)
@@ -226,6 +236,8 @@ class PPOTrainer:
                                                       old_log_prob_from_update=self.reuse_old_log_prob)
                 metrics["actor/skipped"] = float(actor_metrics.pop("skipped", False))
                 metrics.update(actor_metrics)
+                rollout_metrics.update(self.rollout_corr.after_update(batch, self.actor.forward_log_probs))
+            metrics.update(rollout_metrics)
         with self.watchdog.phase("metrics", self.step + 1):
             metrics.update(self._step_metrics(batch, timer))
         return metrics
@@ -250,11 +262,13 @@ class PPOTrainer:
                 self.kl_ctrl, kl_penalty=cfg.kl_penalty)
         else:
             full["token_level_rewards"] = full["token_level_scores"]
+        corr_metrics, corrected = self.rollout_corr.before_advantages(full)  # IS weights, rejection: after the KL
+        metrics.update(corr_metrics)
         full["advantages"], full["returns"] = core_algos.compute_advantage(
             cfg.adv_estimator, token_level_rewards=full["token_level_rewards"], response_mask=full["response_mask"],
             values=full.get("values"), index=full["uid"].numpy().astype(object), gamma=cfg.gamma, lam=cfg.lam,
             norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo, old_log_probs=full.get("old_log_probs"))
-        for key in ("token_level_rewards", "advantages", "returns"):
+        for key in ("token_level_rewards", "advantages", "returns", *corrected):
             batch[key] = local_rows(full[key], self.io.dp_group)
         self._full_batch = full  # for data metrics
         return metrics
@@ -265,11 +279,12 @@ class PPOTrainer:
         metrics = compute_data_metrics(full, max_response_length=self.cfg.data.max_response_length,
                                        max_prompt_length=self.cfg.data.max_prompt_length)
         metrics.update(timer.metrics())
-        response_tokens = int(full["response_mask"].sum().item())
+        # the tokens the policy generated (before rollout-correction rejection) are what each pass computes on
+        response_tokens = int(full.get(UNREJECTED_MASK, full["response_mask"]).sum().item())
         num_tokens = int(full["prompt_mask"].sum().item()) + response_tokens
         self.step_flops = ppo_step_flops(self.actor.hf_args, prompt_tokens=num_tokens - response_tokens,
                                          response_tokens=response_tokens, use_critic=self.use_critic,
-                                         use_ref=self.use_ref, old_log_prob_pass=not self.reuse_old_log_prob)
+                                         use_ref=self.use_ref, old_log_prob_pass=self.old_log_prob_pass)
         metrics.update(perf_metrics(num_tokens=num_tokens, step_seconds=timer.seconds["step"],
                                     world_size=self.dims.world, flops=self.step_flops, device=self.device))
         errors = all_gather_rows(batch["reward_errors"], self.io.dp_group)

@@ -29,9 +29,15 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
             f"{prefix}/min": values.min().item()}
 
 
+# The response mask as generated, when rollout rejection has changed `response_mask` (lengths are of what was
+# generated: veRL reads them off attention_mask).
+UNREJECTED_MASK = "response_mask_before_rejection"
+
+
 def compute_data_metrics(batch: dict[str, torch.Tensor], *, max_response_length: int,
                          max_prompt_length: int) -> dict[str, float]:
-    """veRL's `compute_data_metrics`: sequence-level score/reward sums, token-level advantage/return/value stats."""
+    """veRL's `compute_data_metrics`: sequence-level score/reward sums, token-level advantage/return/value stats
+    (over the tokens kept by rollout rejection), response lengths as generated."""
     mask = batch["response_mask"].bool()
     metrics: dict[str, float] = {}
     metrics.update(_stats("critic/score", batch["token_level_scores"].sum(-1)))
@@ -44,13 +50,40 @@ def compute_data_metrics(batch: dict[str, torch.Tensor], *, max_response_length:
         var_returns = returns.var(unbiased=False) if returns.numel() > 1 else torch.tensor(0.0)
         metrics["critic/vf_explained_var"] = (1.0 - (returns - values).var(unbiased=False) /
                                               (var_returns + 1e-5)).item() if returns.numel() > 1 else 0.0
-    response_length = batch["response_mask"].sum(-1).float()
+    response_length = batch.get(UNREJECTED_MASK, batch["response_mask"]).sum(-1).float()
     prompt_length = batch["prompt_mask"].sum(-1).float()
     metrics.update(_stats("response_length", response_length))
     metrics["response_length/clip_ratio"] = (response_length >= max_response_length).float().mean().item()
     metrics.update(_stats("prompt_length", prompt_length))
     metrics["prompt_length/clip_ratio"] = (prompt_length >= max_prompt_length).float().mean().item()
     return metrics
+
+
+def rollout_mismatch_metrics(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                             response_mask: torch.Tensor) -> dict[str, float]:
+    """veRL 0.9.1's rollout-vs-actor metrics (`verl/utils/debug/metrics.py::calculate_debug_metrics`) over the
+    response tokens of the batch given (the trainer gives the global batch, so they do not depend on the DP split).
+
+    They compare PROBABILITIES, p = exp(log-prob), of the sampled tokens: the engine's against the actor's for the
+    same weights. `diff = |p_actor - p_rollout|`; `_max`, `_mean`, `_std` (unbiased, as `torch.std`: NaN for a
+    single token) of it, and the Pearson correlation of the two probability lists (`torch.corrcoef`: NaN when
+    either is constant, e.g. a single token). No response token: `_valid` 0 and NaN for the rest. Computed in
+    float64 (veRL: in the log-probs' dtype).
+    """
+    mask = response_mask.bool()
+    if not bool(mask.any()):
+        nan = float("nan")
+        return {"training/rollout_probs_diff_valid": 0.0, "training/rollout_probs_diff_max": nan,
+                "training/rollout_probs_diff_mean": nan, "training/rollout_probs_diff_std": nan,
+                "training/rollout_actor_probs_pearson_corr": nan}
+    actor = torch.exp(old_log_probs.double())[mask]
+    rollout = torch.exp(rollout_log_probs.double())[mask]
+    diff = (actor - rollout).abs()
+    std = diff.std().item() if diff.numel() > 1 else float("nan")  # torch.std of one element warns, gives NaN
+    corr = torch.corrcoef(torch.stack([actor, rollout]))[0, 1].item() if diff.numel() > 1 else float("nan")
+    return {"training/rollout_probs_diff_valid": 1.0, "training/rollout_probs_diff_max": diff.max().item(),
+            "training/rollout_probs_diff_mean": diff.mean().item(), "training/rollout_probs_diff_std": std,
+            "training/rollout_actor_probs_pearson_corr": corr}
 
 
 # ------------------------------------------------------------------------------------------------- timing and perf

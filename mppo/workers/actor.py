@@ -21,20 +21,22 @@ where veRL averages per-micro-batch means); all are averaged over the optimizer 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from mppo.config.schema import ActorConfig, ModelConfig
-from mppo.core_algos import (AGG_LOSS_MODES, KL_PENALTY_TYPES, PolicyLossParams, agg_loss, get_policy_loss_fn,
-                              kl_penalty)
+from mppo.core_algos import (AGG_LOSS_MODES, KL_PENALTY_TYPES, PolicyLossParams, RolloutCorrectionParams, agg_loss,
+                              compute_policy_loss_bypass_mode, get_policy_loss_fn, kl_penalty)
 from mppo.models.weights import bucketed, iter_hf_weights
 from mppo.parallel import ParallelDims
 from mppo.workers.base import StepMetrics, build_role_model, mean_metrics, response_forward_step
 from mppo.workers.batching import Batch, validate_batch
 from mppo.workers.logprob import compute_response_logprobs, make_logprob_fn, response_logprobs
 from mppo.workers.optim import build_lr_scheduler, build_optimizer, current_lr, wrap_with_ddp
+from mppo.workers.pipeline import broadcast_from_last_stage
 from mppo.workers.training import TrainLoop
 
 # Policy losses that average over ALL rows of what they are given and ignore GlobalBatchInfo (veRL quirk):
@@ -54,11 +56,36 @@ def policy_loss_params(cfg: ActorConfig) -> PolicyLossParams:
         ppo_kl_coef=pl.ppo_kl_coef, dro_beta=pl.dro_beta)
 
 
+class ForwardLogProbs:
+    """Each row's log-probs from its first forward in an update (detached, batch row order), collected from the
+    last pipeline stage's micro-batch outputs: the old log-probs of an on-policy update."""
+
+    def __init__(self, response_mask: torch.Tensor):
+        self.values = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+        self.seen = torch.zeros(response_mask.shape[0], dtype=torch.bool, device=response_mask.device)
+
+    def add(self, rows: list[torch.Tensor], outputs: list[dict[str, torch.Tensor]]) -> None:
+        """Record one optimizer step's micro-batches (`outputs` is empty on stages other than the last)."""
+        for row_ids, out in zip(rows, outputs):
+            row_ids = row_ids.to(self.values.device)
+            fresh = ~self.seen[row_ids]
+            self.values[row_ids[fresh]] = out["log_probs"][:len(row_ids)][fresh].float()
+            self.seen[row_ids] = True
+
+    def on_every_stage(self, dims: ParallelDims) -> torch.Tensor:
+        """The collected values on every rank (a collective over the pipeline group when PP > 1)."""
+        if dims.pp == 1:
+            return self.values
+        return broadcast_from_last_stage([{"log_probs": self.values}])[0]["log_probs"].to(dims.device)
+
+
 class ActorWorker:
     """The trainable policy on this rank's TP/PP/DP shard. All methods are collective over every rank."""
 
     def __init__(self, model_cfg: ModelConfig, actor_cfg: ActorConfig, dims: ParallelDims, hf_dir: str | Path, *,
-                 total_steps: int, rollout_n: int = 1):
+                 total_steps: int, rollout_n: int = 1, rollout_correction: RolloutCorrectionParams | None = None):
+        """`rollout_correction` with bypass_mode: the update's loss is rollout correction's bypass loss (the batch's
+        old_log_probs are then the engine's); otherwise it is not used here (the trainer applies it)."""
         if actor_cfg.loss_agg_mode not in AGG_LOSS_MODES:
             raise ValueError(f"actor.loss_agg_mode must be one of {AGG_LOSS_MODES}, got {actor_cfg.loss_agg_mode!r}")
         if actor_cfg.use_kl_loss and actor_cfg.kl_loss_type not in KL_PENALTY_TYPES:
@@ -66,6 +93,10 @@ class ActorWorker:
         self.cfg, self.dims = actor_cfg, dims
         self.policy_loss_fn = get_policy_loss_fn(actor_cfg.policy_loss.loss_mode)
         self.policy_params = policy_loss_params(actor_cfg)
+        self.bypass = rollout_correction is not None and rollout_correction.bypass_mode
+        if self.bypass:
+            self.policy_loss_fn = compute_policy_loss_bypass_mode
+            self.policy_params = replace(self.policy_params, rollout_correction=rollout_correction)
         self.logprob_fn = make_logprob_fn(actor_cfg.logprob_impl, actor_cfg.kernel_backend)
         self.hf_args, chunks, self.dtype = build_role_model(hf_dir, dims, role="actor", model_cfg=model_cfg,
                                                             megatron=actor_cfg.megatron)
@@ -81,6 +112,9 @@ class ActorWorker:
                               max_token_len=actor_cfg.ppo_max_token_len_per_gpu,
                               epochs=actor_cfg.ppo_epochs, shuffle=actor_cfg.shuffle,
                               seed=actor_cfg.megatron.seed or 0)
+        # after an update that took the old log-probs from its forward, or in bypass mode: each row's log-probs
+        # [B, T] from its first forward in the update; else None
+        self.forward_log_probs: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------ inference
     def compute_log_prob(self, batch: Batch, *, temperature: float, micro_batch_size: int | None = None,
@@ -105,7 +139,9 @@ class ActorWorker:
         Needs advantages, old_log_probs (unless `old_log_prob_from_update`) and ref_log_prob (with use_kl_loss).
         `old_log_prob_from_update`: the update is on-policy (one epoch, one mini-batch: every row passes once
         through the forward, with the weights that generated it), so the old log-probs ARE this forward's
-        log-probs; they are taken from it, detached (ratio exactly 1), instead of from a separate forward pass.
+        log-probs; they are taken from it, detached (ratio exactly 1), instead of from a separate forward pass,
+        and kept in `self.forward_log_probs` [B, T] on every rank afterwards (for the rollout-vs-actor metrics;
+        in bypass mode too, where they are pi_theta at each row's first forward).
         A mini-batch whose loss or gradients are not finite is not applied (`skipped` is then True). Steps the
         LR schedule once.
         """
@@ -118,18 +154,23 @@ class ActorWorker:
         if old_log_prob_from_update:
             batch.pop("old_log_probs", None)  # one source of old log-probs: this update's forward
         lr = current_lr(self.optimizer)
+        record = old_log_prob_from_update or self.bypass
+        forward = ForwardLogProbs(batch["response_mask"]) if record else None
         steps, grad_norms, skipped = [], [], 0
-        for micro_batches, info in self.loop.mini_batches(batch, self.scheduler.num_steps):
-            metrics = StepMetrics(ACTOR_METRICS)
+        for mini in self.loop.mini_batches(batch, self.scheduler.num_steps):
+            metrics, info = StepMetrics(ACTOR_METRICS), mini.info
             step = response_forward_step(
-                lambda model, data: self._loss_fn(model, data, temperature, info, metrics), hidden_only=True)
-            result = self.loop.step(micro_batches, step, metrics, info)
+                lambda model, data: self._loss_fn(model, data, temperature, info, metrics, record), hidden_only=True)
+            result = self.loop.step(mini.micro_batches, step, metrics, info)
+            if forward is not None:
+                forward.add(mini.rows, result.outputs)
             steps.append(result.metrics)
             if result.skipped:
                 skipped += 1
             else:
                 grad_norms.append(result.grad_norm)
         self.scheduler.step(1)
+        self.forward_log_probs = forward.on_every_stage(self.dims) if forward is not None else None
         out: dict[str, float | bool] = dict(mean_metrics(steps))
         out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
         out["actor/lr"] = lr
@@ -148,7 +189,7 @@ class ActorWorker:
                 f"mini-batch(es) of {loop.local_mini_batch_size}: later forwards see updated weights. Compute "
                 "old_log_probs before the update (actor.reuse_on_policy_log_prob=false does so in the trainer)")
 
-    def _loss_fn(self, model, data, temperature, info, metrics: StepMetrics):
+    def _loss_fn(self, model, data, temperature, info, metrics: StepMetrics, record_log_probs: bool = False):
         cfg, dp = self.cfg, info.dp_size
 
         def loss_fn(hidden: torch.Tensor):
@@ -181,7 +222,7 @@ class ActorWorker:
                     metrics.add(key, float(value) * token_share)
             if not bool(torch.isfinite(loss)):
                 metrics.loss_nonfinite = 1.0
-            return loss, {}
+            return loss, ({"log_probs": log_prob.detach()} if record_log_probs else {})
 
         return loss_fn
 

@@ -91,10 +91,10 @@ class CriticWorker:
         batch = self.loop.to_device(batch)
         lr = current_lr(self.optimizer)
         steps, grad_norms, skipped = [], [], 0
-        for micro_batches, info in self.loop.mini_batches(batch, self.scheduler.num_steps):
-            metrics = StepMetrics(CRITIC_METRICS)
+        for mini in self.loop.mini_batches(batch, self.scheduler.num_steps):
+            metrics, info = StepMetrics(CRITIC_METRICS), mini.info
             step = response_forward_step(lambda model, data: self._loss_fn(data, info, metrics), hidden_only=False)
-            result = self.loop.step(micro_batches, step, metrics, info)
+            result = self.loop.step(mini.micro_batches, step, metrics, info)
             steps.append(result.metrics)
             if result.skipped:
                 skipped += 1

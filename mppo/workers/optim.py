@@ -3,8 +3,13 @@ one forward-backward-step over micro-batches.
 
 - `wrap_with_ddp`: megatron `DistributedDataParallel` per model chunk (grads accumulate in fp32 buffers and are
   averaged over DP once per step, in `finalize_model_grads`, which the pipeline schedule calls).
-- `build_optimizer`: `get_megatron_optimizer` (Adam with decoupled weight decay, fp32 master weights when the
-  params are bf16, optional distributed optimizer, grad clipping).
+- `build_optimizer`: `get_megatron_optimizer` (Adam with decoupled weight decay, optional distributed optimizer,
+  grad clipping). bf16 training is megatron's mixed precision: every model parameter is bf16 (forward and
+  backward run in bf16; the builder casts the norms too, so there is one grad buffer, which the distributed
+  optimizer's checkpoint needs), gradients accumulate and reduce in fp32 (`grad_reduce_in_fp32`), and the
+  optimizer keeps fp32 main params and Adam moments (`OptimizerConfig.bf16`), steps those, and copies them back
+  rounded to bf16; checkpoints carry the fp32 main params, so a resume is bit-identical. Log-probs, entropies and
+  losses are computed in fp32 from the bf16 hidden states (mppo.kernels, pipeline.vocab_parallel_logprob_entropy).
 - `build_lr_scheduler`: megatron's `OptimizerParamScheduler` (linear warm-up from 0, then constant or cosine
   decay to `min_lr_ratio * lr`); state_dict'able. The workers step it once per `update()` call (one PPO step),
   as veRL does, so `total_steps` is the trainer's number of PPO steps.
@@ -63,6 +68,8 @@ def build_optimizer(ddp_chunks: Sequence[nn.Module], optim: OptimConfig, *, use_
         adam_beta2=float(optim.betas[1]),
         adam_eps=optim.eps,
         clip_grad=optim.clip_grad,
+        # bf16: Float16OptimizerWithFloat16Params / DistributedOptimizer with fp32 main params. (Lower-precision
+        # main params or moments, use_precision_aware_optimizer, need Transformer Engine's FusedAdam.)
         bf16=dtype == torch.bfloat16,
         params_dtype=dtype,
         use_distributed_optimizer=use_distributed_optimizer,

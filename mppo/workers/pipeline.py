@@ -196,7 +196,9 @@ def vocab_parallel_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, l
     """log p(label) and the entropy of softmax(hidden @ weight.T / temperature) over the TP-split vocabulary.
 
     Differentiable. Uses megatron's `vocab_parallel_cross_entropy` (which works on megatron's TP group) and
-    its autograd-aware TP collectives, and materialises this rank's [N, V_local] logits in fp32.
+    its autograd-aware TP collectives, and materialises this rank's [N, V_local] logits in fp32. With bf16
+    weights the product is taken in fp32 too (as the fused kernel does): a bf16 matmul would round every logit to
+    8 significant bits before the softmax.
     """
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -208,7 +210,7 @@ def vocab_parallel_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, l
     local_valid = valid_vocab_size_per_rank(valid_vocab_size, weight.shape[0] * tp, tp_rank, tp)
     # Each rank sees only its vocab slice: the gradient w.r.t. the replicated hidden states is a sum over ranks.
     hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
-    logits = torch.matmul(hidden, weight.t()).float() / temperature
+    logits = torch.matmul(hidden.float(), weight.float().t()) / temperature
     logits = mask_padded_logits(logits, local_valid)
     # vocab_parallel_cross_entropy overwrites fp32 logits in place: give it its own copy.
     log_probs = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), labels)

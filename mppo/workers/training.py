@@ -3,7 +3,7 @@ mini-batch, with the global batch facts of each mini-batch and a NaN/inf guard t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
@@ -24,6 +24,18 @@ class StepResult:
     metrics: dict[str, float]  # global values of this optimizer step
     grad_norm: float  # before clipping; NaN when skipped
     skipped: bool
+    # the last PP stage's per-micro-batch loss outputs (detached; padded rows included); empty elsewhere
+    outputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass
+class MiniBatch:
+    """One optimizer step's input: pipeline inputs of each micro-batch, the rows of this rank's batch that each
+    micro-batch holds (in order), and the global batch facts."""
+
+    micro_batches: list[Batch]
+    rows: list[torch.Tensor]
+    info: GlobalBatchInfo
 
 
 class TrainLoop:
@@ -76,8 +88,8 @@ class TrainLoop:
             raise BatchError(f"{self.role}: DP ranks hold between {-int(sizes[1])} and {int(sizes[0])} rows; "
                              "give every DP rank an equal shard of the batch")
 
-    def mini_batches(self, batch: Batch, update_index: int) -> Iterator[tuple[list[Batch], GlobalBatchInfo]]:
-        """(pipeline inputs of each micro-batch, global batch facts) per mini-batch, `epochs` times over.
+    def mini_batches(self, batch: Batch, update_index: int) -> Iterator[MiniBatch]:
+        """The mini-batches of this rank's batch, `epochs` times over.
 
         Shuffling (when on) is seeded by (seed, update_index, epoch): the same on every TP/PP rank of a replica
         and reproducible after a resume.
@@ -95,7 +107,8 @@ class TrainLoop:
                 micro = micro_batches_for(batch, mini_rows, self.model, micro_batch_size=self.micro_batch_size
                                           if not self.use_dynamic_bsz else None,
                                           max_token_len=self.max_token_len if self.use_dynamic_bsz else None)
-                yield pipeline_inputs(self.model, micro, phase=f"{self.role}/update"), info
+                yield MiniBatch(pipeline_inputs(self.model, micro, phase=f"{self.role}/update"),
+                                [mb.rows for mb in micro], info)
 
     def step(self, micro_batches: Sequence[Batch], forward_step: ForwardStep, metrics: StepMetrics,
              info: GlobalBatchInfo) -> StepResult:
@@ -103,10 +116,10 @@ class TrainLoop:
         global gradient norm is not finite (or the mini-batch has no valid token)."""
         if not info.batch_num_tokens:  # every rank sees the same all-reduced count
             return StepResult({}, math.nan, True)
-        forward_backward(self.model, self.optimizer, micro_batches, forward_step)
+        outputs = forward_backward(self.model, self.optimizer, micro_batches, forward_step)
         contributes = self.dims.is_last_stage and self.dims.tp_rank == 0
         values, loss_nonfinite = metrics.reduce(contributes=contributes, device=self.dims.device)
         if loss_nonfinite:
-            return StepResult(values, math.nan, True)
+            return StepResult(values, math.nan, True, outputs)
         applied, grad_norm = optimizer_step(self.optimizer)
-        return StepResult(values, grad_norm if applied else math.nan, not applied)
+        return StepResult(values, grad_norm if applied else math.nan, not applied, outputs)

@@ -1,4 +1,5 @@
-"""torchrun script (4 CPU ranks, gloo): megatron actor/critic vs HF transformers at several TP/PP layouts.
+"""torchrun script (4 CPU ranks, gloo): megatron actor/critic vs HF transformers at several TP/PP layouts, with the
+SDPA attention spec (the default on CPU) and, for two models, megatron's local spec as a reference.
 
 One launch runs every case and writes out/rank{R}.json: {case name: number or string}. The pytest side
 (tests/test_models_parallel.py) asserts on them. References are independent of the code under test: HF
@@ -20,6 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models_fixtures import MODELS, load_hf_model, make_hf_model, save_tiny_tokenizer  # noqa: E402
 
 LAYOUTS = [(2, 2, None), (2, 1, None), (1, 2, None), (1, 1, None), (1, 2, 2)]  # (tp, pp, vpp)
+# Models also built with megatron's local spec (DotProductAttention) at every layout: GQA with and without rope
+# scaling. The default build (transformer_impl=auto) is the SDPA spec on CPU.
+LOCAL_REFERENCE_MODELS = ("qwen2_untied", "llama_tied")
 MICRO_BATCH_SHAPES = [(2, 12), (3, 7), (1, 16), (2, 9)]  # (b, s): uneven on purpose
 TEMPERATURE = 0.7
 
@@ -91,6 +95,12 @@ def run_logits(chunks, batches, vocab: int) -> list[dict]:
             for mb, o in zip(batches, outs)]
 
 
+def core_attention_name(chunks) -> str:
+    """The class name of the core attention of the first layer of the first chunk that has layers."""
+    layers = [layer for chunk in chunks for layer in chunk.decoder.layers]
+    return type(layers[0].self_attention.core_attention).__name__
+
+
 def value_head(hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     return torch.randn(1, hidden, generator=g) * 0.3, torch.randn(1, generator=g)
@@ -145,6 +155,7 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
                 res[f"{key}/layout_error"] = str(err)
                 continue
             res[f"{layout}/batch_p2p_comm"] = chunks[0].config.batch_p2p_comm
+            res[f"{key}/core_attention"] = core_attention_name(chunks)
             load_hf_weights(chunks, work / name, args)
             outs = run_logits(chunks, batches[name], args.vocab_size)
             res[f"{key}/logits"] = max_diff(outs, refs[name], "logits")
@@ -153,6 +164,17 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
             lp = compute_token_logprobs(chunks, batches[name], vocab_size=args.vocab_size, temperature=TEMPERATURE)
             res[f"{key}/log_probs"] = max_diff(lp, refs[name], "log_probs")
             res[f"{key}/entropy"] = max_diff(lp, refs[name], "entropy")
+            if name in LOCAL_REFERENCE_MODELS:  # megatron's own attention, the reference the SDPA spec replaces
+                local = build_gpt_model(args, dims, role="actor", transformer_impl="local")
+                res[f"{key}/local/core_attention"] = core_attention_name(local)
+                load_hf_weights(local, work / name, args)
+                local_outs = run_logits(local, batches[name], args.vocab_size)
+                res[f"{key}/local/logits"] = max_diff(local_outs, refs[name], "logits")
+                res[f"{key}/local/logits_vs_sdpa"] = max_diff(local_outs, outs, "logits")
+                local_lp = compute_token_logprobs(local, batches[name], vocab_size=args.vocab_size,
+                                                  temperature=TEMPERATURE)
+                res[f"{key}/local/log_probs"] = max_diff(local_lp, refs[name], "log_probs")
+                del local
 
             if (tp, pp, vpp) == (2, 2, None):  # HF -> Megatron (TP2 x PP2) -> HF, bitwise
                 exported = dict(iter_hf_weights(chunks, args))

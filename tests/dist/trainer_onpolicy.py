@@ -3,7 +3,7 @@
 Each case builds a fresh PPOTrainer (same model directory, same seed: same initial weights and rollouts) and runs
 its first train_step, then tears the layout down for the next case. Rank R writes out/rank{R}.json:
   metrics per case, the flag the trainer decided, and the actor's weights' distance between the reuse and the
-  recompute cases.
+  recompute cases (DP 2), plus a reuse case at PP 2.
 """
 from __future__ import annotations
 
@@ -63,6 +63,12 @@ def main() -> None:
         close(trainer)
     result["weights_max_abs_diff"] = max((a - b).abs().max().item()
                                          for a, b in zip(weights["reuse"], weights["recompute"]))
+
+    # Reuse with two pipeline stages (DP 1): the update's log-probs come from the last stage to every rank.
+    trainer = build(args.config, base + ["actor_rollout_ref.actor.reuse_on_policy_log_prob=true",
+                                         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"])
+    result["reuse_pp2"] = {"reuse": trainer.reuse_old_log_prob, "metrics": first_step(trainer)}
+    close(trainer)
 
     # Not on-policy: the flag stays on in the config, the trainer recomputes old log-probs (the phase runs).
     for name, extra in (("two_epochs", ["actor_rollout_ref.actor.ppo_epochs=2"]),

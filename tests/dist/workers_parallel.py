@@ -228,6 +228,66 @@ class Cases:
         self.res["inf_grad/adam_steps_unchanged"] = adam_steps() == steps == [1.0]
         destroy()
 
+    # ---------------------------------------------------------------------------------------- bf16
+    def bf16_training(self) -> None:
+        """bf16 parameters with fp32 main params in megatron's distributed optimizer (TP2 x DP2) against the fp32
+        run from the same weights: log-probs, one optimizer step's metrics and weight change; the naive log-prob
+        path equal to the fused one on the bf16 weights (both take the logits in fp32); and updates far below
+        bf16's resolution that still move the weights after some steps (they accumulate in the fp32 main params;
+        a bf16-only optimizer would round every one of them away)."""
+        from mppo.config.schema import ModelConfig
+        from mppo.parallel import destroy, init_distributed
+        from mppo.workers.actor import ActorWorker
+
+        dims = init_distributed(2, 1, seed=1234)
+        shard = dp_shard(self.batch, dims.dp, dims.dp_rank)
+        runs = {}
+        for dtype in ("fp32", "bf16"):
+            actor = ActorWorker(ModelConfig(dtype=dtype), actor_config(2, 1, None, mini=8), dims,
+                                self.work / "actor", total_steps=4)
+            before = exported(actor)
+            lp, _ = actor.compute_log_prob(shard, temperature=TEMPERATURE)
+            metrics = actor.update(shard, temperature=TEMPERATURE)  # one mini-batch: one optimizer step
+            after = exported(actor)
+            runs[dtype] = {"lp": lp, "metrics": metrics, "delta": {k: after[k].float() - before[k].float()
+                                                                    for k in after}}
+            if dtype == "bf16":
+                self.res["bf16/param_dtypes"] = sorted({str(p.dtype) for c in actor.model for p in c.parameters()})
+                self.res["bf16/export_dtypes"] = sorted({str(t.dtype) for t in before.values()})
+                naive = ActorWorker(ModelConfig(dtype=dtype), actor_config(2, 1, None, impl="naive", mini=8), dims,
+                                    self.work / "actor", total_steps=4)
+                fused_lp, _ = ActorWorker(ModelConfig(dtype=dtype), actor_config(2, 1, None, mini=8), dims,
+                                          self.work / "actor", total_steps=4).compute_log_prob(
+                                              shard, temperature=TEMPERATURE)
+                naive_lp, _ = naive.compute_log_prob(shard, temperature=TEMPERATURE)
+                self.res["bf16/naive_vs_fused_log_probs"] = (naive_lp - fused_lp).abs().max().item()
+        f32, b16 = runs["fp32"], runs["bf16"]
+        self.res["bf16/log_probs_vs_fp32"] = (b16["lp"] - f32["lp"]).abs().max().item()
+        self.res["bf16/fp32_log_probs_vs_hf"] = (f32["lp"] - self.hf_lp[dims.dp_rank::dims.dp]).abs().max().item()
+        self.res["bf16/metrics_rel"] = {k: abs(b16["metrics"][k] / f32["metrics"][k] - 1)
+                                        for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy",
+                                                  "actor/grad_norm")}
+        num = sum(((b16["delta"][k] - f32["delta"][k]) ** 2).sum() for k in f32["delta"])
+        den = sum((f32["delta"][k] ** 2).sum() for k in f32["delta"])
+        self.res["bf16/weight_change_rel"] = float((num / den) ** 0.5)
+
+        # lr 1e-5: an Adam step moves a weight by about 1e-5 (at most ~3.2e-5), under half a bf16 step (>= 6.1e-5)
+        # for every |w| >= 2^-6, so no such weight can change unless the updates accumulate in fp32
+        cfg = actor_config(2, 1, None, mini=8)
+        cfg.optim.lr = 1e-5
+        actor = ActorWorker(ModelConfig(dtype="bf16"), cfg, dims, self.work / "actor", total_steps=40)
+        start = exported(actor)
+        large = {k: t.float().abs() >= 2 ** -6 for k, t in start.items()}
+        changed = []
+        for step in range(20):
+            actor.update(shard, temperature=TEMPERATURE)
+            if step in (0, 19):
+                now = exported(actor)
+                moved = sum(int(((now[k] != start[k]) & large[k]).sum()) for k in start)
+                changed.append(moved / sum(int(m.sum()) for m in large.values()))
+        self.res["bf16/small_updates_changed_after_1_and_20_steps"] = changed
+        destroy()
+
     # ---------------------------------------------------------------------------------------- critic
     def critic(self) -> None:
         from mppo.config.schema import CriticConfig, MegatronConfig, ModelConfig, OptimConfig
@@ -295,32 +355,47 @@ class Cases:
 
         full = self.batch
         ckpts = {}
-        # Uninterrupted runs at TP2xPP2: distributed (dp_reshardable) and plain optimizer.
-        for dist_opt in (True, False):
+        # Uninterrupted runs at TP2xPP2: distributed (dp_reshardable) and plain optimizer, fp32 and bf16 params
+        # (bf16: the fp32 main params must come back from the checkpoint, not from the rounded bf16 weights).
+        for dist_opt, dtype in ((True, "fp32"), (False, "fp32"), (True, "bf16"), (False, "bf16")):
+            name = ("dist" if dist_opt else "plain") + ("" if dtype == "fp32" else "_bf16")
             dims = init_distributed(2, 2, seed=1234)
-            actor = ActorWorker(ModelConfig(), actor_config(2, 2, None, dist_opt=dist_opt), dims, self.work / "actor",
-                                total_steps=4)
+            actor = ActorWorker(ModelConfig(dtype=dtype), actor_config(2, 2, None, dist_opt=dist_opt), dims,
+                                self.work / "actor", total_steps=4)
             actor.update(full, temperature=TEMPERATURE)
-            path = self.work / f"ckpt_{'dist' if dist_opt else 'plain'}"
+            path = self.work / f"ckpt_{name}"
             save_worker_checkpoint(actor, path, extra_state={"step": 1, "data": [3, 4]})
             saved_weights = exported(actor)
             draw = rng_draw()
             lp1, _ = actor.compute_log_prob(full, temperature=TEMPERATURE)
             m2 = actor.update(full, temperature=TEMPERATURE)
-            ckpts[dist_opt] = (path, exported(actor), m2, saved_weights, lp1)
+            if dtype == "fp32":
+                ckpts[dist_opt] = (path, exported(actor), m2, saved_weights, lp1)
+            after_step2 = exported(actor)
             # resume in fresh models at the same layout: step 2 must be bit-identical
             torch.manual_seed(999)
             random.seed(999)
-            again = ActorWorker(ModelConfig(), actor_config(2, 2, None, dist_opt=dist_opt), dims, self.work / "actor",
-                                total_steps=4)
+            again = ActorWorker(ModelConfig(dtype=dtype), actor_config(2, 2, None, dist_opt=dist_opt), dims,
+                                self.work / "actor", total_steps=4)
             loaded = load_worker_checkpoint(again, path)
-            tag = f"ckpt/{'dist' if dist_opt else 'plain'}"
+            tag = f"ckpt/{name}"
             self.res[f"{tag}/extra_state"] = loaded.extra_state
             self.res[f"{tag}/rng_same"] = rng_draw() == draw
             self.res[f"{tag}/lr_same"] = again.scheduler.num_steps == 1
             m2_again = again.update(full, temperature=TEMPERATURE)
-            self.res[f"{tag}/resume_weights_diff"] = max_state_diff(exported(again), ckpts[dist_opt][1])
+            self.res[f"{tag}/resume_weights_diff"] = max_state_diff(exported(again), after_step2)
             self.res[f"{tag}/resume_metrics_same"] = m2_again == m2
+            self.res[f"{tag}/step2_moved_weights"] = max_state_diff(after_step2, saved_weights) > 0
+            if dtype == "bf16":
+                # the same resume with the main params taken from the loaded bf16 weights: not bit-identical,
+                # which shows the check above would catch main params that were not restored
+                rounded = ActorWorker(ModelConfig(dtype=dtype), actor_config(2, 2, None, dist_opt=dist_opt), dims,
+                                      self.work / "actor", total_steps=4)
+                load_worker_checkpoint(rounded, path)
+                rounded.optimizer.reload_model_params()
+                rounded.update(full, temperature=TEMPERATURE)
+                self.res[f"{tag}/resume_from_rounded_main_params_diff"] = max_state_diff(exported(rounded),
+                                                                                         after_step2)
             destroy()
 
         # Load at TP1xPP1 (DP4): model weights from either checkpoint, the plain optimizer state too.
@@ -366,7 +441,7 @@ def main() -> None:
     try:
         cases.setup()
         for case in (cases.actor_layouts, cases.global_normalisation, cases.tied_embeddings, cases.nan_skip,
-                     cases.critic, cases.checkpoints):
+                     cases.bf16_training, cases.critic, cases.checkpoints):
             case()
     except Exception:
         res["crash"] = traceback.format_exc()

@@ -2,9 +2,10 @@
 # Every GPU check in one run, for a machine with CUDA, PyTorch and Triton already installed (the project's GPU
 # tier; CI has no GPU). Wheels in .whl/ (megatron-core, omegaconf, liger-kernel, ...) are installed first when the
 # machine cannot reach an index. Results: $OUT/log.txt, $OUT/doctor.json, $OUT/bench_kernels.json,
-# $OUT/reports/*.json (numbers the tests measured).
+# $OUT/bench_attention.json, $OUT/reports/*.json (numbers the tests measured).
 #   OUT=/tmp/gpu-out bash tests/gpu/run_device_checks.sh
-# STAGES picks stages (default "doctor tests bench"; also "tune"), GPU_TESTS the pytest targets, BENCH_IMPLS the kernels compared.
+# STAGES picks stages (default "doctor tests bench", sized for one call of <= 8 minutes; also "tune" and "attention",
+# ~2 minutes each), GPU_TESTS the pytest targets, BENCH_IMPLS the kernels compared.
 set -u
 OUT="${OUT:-/tmp/mppo-gpu-checks}"
 mkdir -p "$OUT/reports"
@@ -32,10 +33,10 @@ if [[ " $STAGES " == *" doctor "* ]]; then
 fi
 
 if [[ " $STAGES " == *" tests "* ]]; then
-  stage "GPU tests (megatron vs HF, trainer GPU vs CPU, kernels)"
+  stage "GPU tests (megatron SDPA/local vs HF, actor throughput 0.5B/1.5B at 4k, trainer GPU vs CPU, kernels)"
   # shellcheck disable=SC2086  # GPU_TESTS is a list of paths
-  timeout 330 "$PY" -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu tests/test_kernels_triton.py} \
-    --timeout=320 -o addopts="-ra --durations=10"
+  timeout 420 "$PY" -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu tests/test_kernels_triton.py} \
+    --timeout=410 -o addopts="-ra --durations=10"
   echo "pytest rc=$?"
 fi
 
@@ -49,5 +50,11 @@ if [[ " $STAGES " == *" bench "* ]]; then
   timeout 110 "$PY" -m mppo bench kernels --device cuda --cases 8192x896,16384x2048 --vocab 151936 \
     --impls "${BENCH_IMPLS:-naive,torch,triton,liger}" --json "$OUT/bench_kernels.json"
   echo "bench rc=$?"
+fi
+if [[ " $STAGES " == *" attention "* ]]; then
+  stage "attention benchmark: SDPA vs local spec, 2 layers of the Qwen2.5-0.5B shape"
+  timeout 120 "$PY" -m mppo bench attention --device cuda --lengths 4096,8192,16384 --layers 2 --hidden 896 \
+    --heads 14 --kv-heads 2 --runs 1 --repeats 5 --json "$OUT/bench_attention.json"
+  echo "bench attention rc=$?"
 fi
 stage "done"
