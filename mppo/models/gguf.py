@@ -101,9 +101,11 @@ def gguf_to_hf(gguf_file: str | Path, out_dir: str | Path, *, overwrite: bool = 
 
     from mppo.models.atomic import atomic_directory
 
-    gguf_file = Path(gguf_file)
+    gguf_file, out_dir = Path(gguf_file), Path(out_dir)
     if not gguf_file.is_file():
         raise GGUFConversionError(f"GGUF file {gguf_file} does not exist")
+    if out_dir.exists() and not overwrite:  # before the minute of dequantizing, not after
+        raise FileExistsError(f"{out_dir} already exists; pass a new directory or remove it first")
     _require_gguf_packages()
     where = dict(pretrained_model_name_or_path=str(gguf_file.parent), gguf_file=gguf_file.name)
     try:
@@ -129,4 +131,4 @@ def gguf_to_hf(gguf_file: str | Path, out_dir: str | Path, *, overwrite: bool = 
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         generation.save_pretrained(tmp)
-    return Path(out_dir)
+    return out_dir
