@@ -28,7 +28,7 @@ def run_demo(run_dir: Path, *extra: str, check: bool = True, **env_extra: str) -
     env = {**os.environ, **SHORT_ENV, "RUN_DIR": str(run_dir), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
            **env_extra}
     proc = subprocess.run(["bash", "launch/demo_cpu.sh", *SHORT_OVERRIDES, *extra], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=900)
     if check:
         assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     return proc
