@@ -84,7 +84,7 @@ def test_a_shortened_demo_learns(tmp_path):
            "DEMO_SFT_STEPS": "600", "DEMO_HIDDEN": "64", "DEMO_STEPS": "30", "DEMO_TEST_SIZE": "128"}
     proc = subprocess.run(["bash", "launch/demo_cpu.sh", "trainer.test_freq=30", "trainer.save_freq=-1",
                            "trainer.logger=[console]"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=1200)
+                          timeout=870)
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     m = step_metrics(run)
     before, after = m[0]["val/test_score/countdown"], m[30]["val/test_score/countdown"]
