@@ -77,8 +77,8 @@ def test_demo_runs_every_stage_deterministically_and_skips_finished_ones(tmp_pat
 
 def test_a_shortened_demo_learns(tmp_path):
     """The demo's recipe, shortened to ~2 minutes (a smaller warm-up and model, 30 PPO steps): the sampled
-    validation score on 128 held-out problems rises (seed 0 before the batched CPU engine: 0.120 -> 0.267), and responses end
-    with EOS rather than running to max_response_length."""
+    validation score on 128 held-out problems rises (seed 0 before the batched CPU engine: 0.120 -> 0.267), and
+    responses end with EOS rather than running to max_response_length."""
     run = tmp_path / "learn"
     env = {**os.environ, "RUN_DIR": str(run), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "DEMO_SEED": "0",
            "DEMO_SFT_STEPS": "600", "DEMO_HIDDEN": "64", "DEMO_STEPS": "30", "DEMO_TEST_SIZE": "128"}
