@@ -1,4 +1,5 @@
-# The two front doors: `make demo` (CPU demo run) and `make test` (the whole test suite, as CI runs it).
+# The front doors: `make demo` (RL on a real pretrained model on the CPU), `make demo-tiny` (the from-scratch tiny
+# model, the fast path) and `make test` (the whole test suite, as CI runs it).
 # Both create .venv when missing and install mppo with the CPU constraints (torch pinned to the CPU wheel);
 # `make test` adds SGLang's CPU tier (`make sglang`).
 PY ?= python3
@@ -12,7 +13,7 @@ SGLANG_STAMP := $(VENV)/.mppo-sglang-installed
 SGLANG_EXTRAS := $(VENV)/mppo-sglang-cpu
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-gpu install sglang clean
+.PHONY: demo demo-tiny test test-gpu install sglang clean
 
 install: $(STAMP)
 
@@ -47,7 +48,10 @@ $(SGLANG_STAMP): $(STAMP) $(SGLANG_REQS) $(CONSTRAINTS)
 	touch $@
 
 demo: $(STAMP)
-	PATH="$(abspath $(BIN)):$$PATH" bash launch/demo_cpu.sh
+	PATH="$(abspath $(BIN)):$$PATH" bash launch/demo.sh
+
+demo-tiny: $(STAMP)
+	PATH="$(abspath $(BIN)):$$PATH" RUN_DIR="$${RUN_DIR:-runs/demo-tiny}" bash launch/demo_cpu.sh
 
 test: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)

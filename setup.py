@@ -33,8 +33,10 @@ setup(
     extras_require={
         # GPU-only packages; imported lazily, a run that needs one names this extra when it is missing.
         "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.23,<0.6", "triton"],
-        # triton is here too: its kernels are tested on CPU under TRITON_INTERPRET=1.
-        "test": ["pytest>=7", "pytest-timeout", "triton"],
+        # reading GGUF files (`mppo convert gguf-to-hf`, the real-model demo): transformers needs both
+        "gguf": ["gguf", "accelerate"],
+        # triton is here too: its kernels are tested on CPU under TRITON_INTERPRET=1; gguf: the real-model tests.
+        "test": ["pytest>=7", "pytest-timeout", "triton", "gguf", "accelerate"],
     },
     entry_points={"console_scripts": ["mppo=mppo.cli:main"]},
 )

@@ -36,10 +36,8 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one thread per process: 2 rank
 export CUDA_VISIBLE_DEVICES=""  # the CPU demo (trainer.device=cpu) runs on the CPU on a GPU machine too
 export TOKENIZERS_PARALLELISM=false
 
-say() { echo "[demo $(date +%H:%M:%S)] $*"; }
-START=$SECONDS
-stage_start=$SECONDS
-took() { say "    $1 took $((SECONDS - stage_start)) s"; stage_start=$SECONDS; }
+# shellcheck source=launch/demo_lib.sh
+source launch/demo_lib.sh
 
 say "run directory: $RUN_DIR (python: $(command -v "$PYTHON"))"
 
@@ -78,32 +76,8 @@ if [[ -d "$RUN_DIR/checkpoints/global_step_$STEPS" ]]; then
     say "4/4 PPO: $STEPS steps already done, skipping"
 else
     say "4/4 PPO: torchrun --nproc_per_node 2 -m mppo train configs/demo_cpu.yaml ($STEPS steps)"
-    rendezvous=(--standalone)  # a local rendezvous on a free port
-    if [[ -n "${MASTER_PORT:-}" ]]; then rendezvous=(--master_addr 127.0.0.1 --master_port "$MASTER_PORT"); fi
-    "$PYTHON" -m torch.distributed.run --nproc_per_node 2 "${rendezvous[@]}" -m mppo train configs/demo_cpu.yaml \
-        trainer.total_training_steps="$STEPS" trainer.seed="$SEED" "$@"
+    train_two_ranks configs/demo_cpu.yaml trainer.total_training_steps="$STEPS" trainer.seed="$SEED" "$@"
     took PPO
 fi
 
-"$PYTHON" - "$RUN_DIR" <<'EOF'
-import json
-import sys
-from pathlib import Path
-
-run = Path(sys.argv[1])
-steps: dict[int, dict] = {}
-for line in (run / "metrics.jsonl").read_text().splitlines():
-    if line.strip():
-        row = json.loads(line)
-        steps.setdefault(row["step"], {}).update(row)
-scores = {s: {k: v for k, v in row.items() if k.startswith("val/test_score/")} for s, row in sorted(steps.items())}
-scores = {s: v for s, v in scores.items() if v}
-print(f"[demo] metrics: {run / 'metrics.jsonl'}")
-print(f"[demo] plot:    {run / 'metrics.png'}")
-if scores:
-    first, last = min(scores), max(scores)
-    for key, before in scores[first].items():
-        after = scores[last].get(key, float("nan"))
-        print(f"[demo] {key}: {before:.3f} (step {first}) -> {after:.3f} (step {last}), {after - before:+.3f}")
-EOF
-say "total $((SECONDS - START)) s"
+print_summary

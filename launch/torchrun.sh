@@ -6,7 +6,7 @@
 #   NPROC=2 launch/torchrun.sh configs/demo_cpu.yaml          # CPU: 2 processes (gloo)
 #
 # NPROC     ranks on this node; "auto" (default) = the GPUs torch sees (honours CUDA_VISIBLE_DEVICES)
-# PYTHON    the interpreter whose torch counts the GPUs (default: python)
+# PYTHON    the interpreter with mppo: it counts the GPUs and validates the config first (default: python)
 # OMP_NUM_THREADS   kept if set; otherwise the node's cores divided by the ranks (at least 1)
 set -euo pipefail
 
@@ -42,6 +42,11 @@ if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
   threads=$(( $(nproc) / ranks ))
   export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
 fi
+
+# Validate the config once, in one process, at this launch's world size: a mistake is then one line on stderr
+# instead of a line buried in torchrun's report of every failed rank.
+WORLD_SIZE=$ranks RANK=0 "${PYTHON:-python}" -m mppo train "$config" trainer.nnodes=1 trainer.n_gpus_per_node="$ranks" \
+  "$@" --dry-run >/dev/null
 
 exec torchrun --standalone --nnodes=1 --nproc_per_node="$ranks" \
   -m mppo train "$config" trainer.nnodes=1 trainer.n_gpus_per_node="$ranks" "$@"

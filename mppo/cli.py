@@ -82,7 +82,10 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         if _is_rank0():
             sys.stdout.write(to_yaml(cfg))
-            _print_plan(cfg)
+            try:
+                _print_plan(cfg)
+            except USER_INPUT_ERRORS as e:  # e.g. a TP that does not divide the model's KV heads (PlanError)
+                return _error(str(e))
         return 0
     _configure_run_logging()
     try:

@@ -4,10 +4,12 @@ a typo in a launch line fails here instead of in a user's first job. The recorde
 loaded with the real config loader at the launch's world size. Every script passes `bash -n`, ours `shellcheck`."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,7 +129,7 @@ def _sbatch(tmp_path, nodes: int, hosts: str, port: int, *args: str, **extra: st
     logs = tmp_path / "logs"
     env.update(SLURM_JOB_ID="4242", SLURM_JOB_NAME="mppo", SLURM_NNODES=str(nodes), SLURM_JOB_NODELIST="gpu[1-4]",
                SLURM_GPUS_ON_NODE="8", SLURM_CPUS_ON_NODE="64", FAKE_HOSTS=hosts, MASTER_PORT=str(port),
-               LOG_DIR=str(logs), **extra)
+               LOG_DIR=str(logs), PYTHON=sys.executable, **extra)
     proc = subprocess.run(["bash", str(REPO / "launch/slurm.sbatch"), *args], cwd=REPO, capture_output=True, text=True,
                           timeout=60, env=env)
     return proc, Path(env["RECORD"]), logs
@@ -161,8 +163,9 @@ def test_sbatch_launches_one_torchrun_per_node(tmp_path):
 
 def test_sbatch_unreachable_rendezvous_fails_with_its_address(tmp_path):
     port = _free_port()  # nothing listens: the master "cannot be reached"
+    # 2 nodes x 16 GPUs: the 32 GPUs the recipe's layout needs (the config is validated before the launch)
     proc, record, logs = _sbatch(tmp_path, 2, "127.0.0.1 gpu2", port, "configs/qwen2.5_32b_4node.yaml",
-                                 RDZV_TIMEOUT="2")
+                                 RDZV_TIMEOUT="2", GPUS_PER_NODE="16")
     assert proc.returncode != 0
     assert (record / "torchrun.0").exists() and not (record / "torchrun.1").exists()
     log = (logs / "node1.log").read_text()
@@ -178,3 +181,43 @@ def test_sbatch_input_errors(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "launch/slurm.sbatch"), "configs/qwen2.5_32b_4node.yaml"], cwd=REPO,
                           capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode != 0 and "not inside a Slurm allocation" in proc.stderr
+
+
+# ------------------------------------------------------------------------------------ validation before launch
+def _model_dir(tmp_path: Path) -> Path:
+    """An HF config.json (no weights: validation and the plan read only the config): 2 KV heads, 2 layers."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}))
+    return model
+
+
+@pytest.mark.parametrize("layout, message", [
+    ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3", "TP=3 does not divide the model's 2 key/value"),
+    ("actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=3 "
+     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1", "2 layers do not split into PP x VPP = 3"),
+])
+def test_layouts_the_model_cannot_take_are_one_line_before_any_launch(tmp_path, layout, message):
+    overrides = [f"actor_rollout_ref.model.path={_model_dir(tmp_path)}", *layout.split()]
+    # mppo train --dry-run in one process: one line, exit 2, no traceback
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-m", "mppo", "train", "configs/demo_cpu.yaml", "trainer.n_gpus_per_node=3",
+                           *overrides, "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**env, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert [line for line in proc.stderr.splitlines() if "error" in line.lower()] == [
+        next(line for line in proc.stderr.splitlines() if message in line)]
+    # launch/torchrun.sh validates in one process before torchrun: the same one line, torchrun never starts
+    fake_env = _fakes(tmp_path / "launch", torchrun=FAKE_TORCHRUN)
+    proc = subprocess.run(["bash", str(REPO / "launch/torchrun.sh"), "configs/demo_cpu.yaml", *overrides], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env={**fake_env, "NPROC": "3", "PYTHON": sys.executable, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (Path(fake_env["RECORD"]) / "torchrun.local").exists()
+    # and so does slurm.sbatch, before srun
+    proc, record, _ = _sbatch(tmp_path / "slurm", 1, "127.0.0.1", 1, "configs/demo_cpu.yaml", *overrides,
+                              GPUS_PER_NODE="3")
+    assert proc.returncode == 2 and message in proc.stderr, proc.stdout + proc.stderr
+    assert not (record / "srun").exists()

@@ -47,3 +47,18 @@ def test_convert_roundtrip_in_one_process(tmp_path):
     proc = _convert("hf-to-mcore", "--hf", str(hf_dir), "--out", str(tmp_path / "x"), "--tp", "2")
     assert proc.returncode == 2 and "world size 1 is not divisible by tp*pp = 2*1" in proc.stderr
     assert "torchrun" in proc.stderr and not (tmp_path / "x").exists()
+
+
+def test_mcore_to_hf_names_the_actor_of_a_step_directory(tmp_path, capsys):
+    """A training run's step directory holds one worker checkpoint per model: mcore-to-hf says which to give."""
+    from mppo.models import convert
+
+    step = tmp_path / "checkpoints" / "global_step_3"
+    (step / "actor" / "hf").mkdir(parents=True)
+    (step / "actor" / "hf" / "config.json").write_text("{}")
+    assert convert.main(["mcore-to-hf", "--ckpt", str(step), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{step} is a training run's step directory" in err and f"--ckpt {step / 'actor'}" in err
+    assert not (tmp_path / "out").exists()
+    assert convert.main(["mcore-to-hf", "--ckpt", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert "is not an mppo model checkpoint" in capsys.readouterr().err

@@ -118,7 +118,7 @@ def test_param_counts_match_transformers():
     from mppo.plan.catalog import known_config
     from mppo.plan.memory import total_params
 
-    for name in ("Qwen2.5-0.5B", "Llama-3-8B", "Qwen3-0.6B", "Qwen3-30B-A3B"):
+    for name in ("Qwen2.5-0.5B", "Llama-3-8B", "Qwen3-0.6B", "Qwen3-30B-A3B", "SmolLM2-135M-Instruct"):
         raw = known_config(name)[1]
         hf = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items()
                                                          if k not in ("model_type", "torch_dtype")})
@@ -234,6 +234,8 @@ def _recipe_plans(tmp_path: Path, monkeypatch) -> dict:
         cfg = load_config(str(path))
         if path.name == "demo_cpu.yaml":
             plans[path.name] = plan(cfg, read_hf_config(run_dir / "model"), device="cpu")
+        elif path.name == "demo.yaml":  # the real-model demo: SmolLM2-135M-Instruct, converted into $RUN_DIR/model
+            plans[path.name] = plan(cfg, read_hf_config(known_config("SmolLM2-135M-Instruct")[1]), device="cpu")
         elif path.name == "ppo_trainer.yaml":
             plans[path.name] = plan(cfg, read_hf_config(known_config("Qwen2.5-0.5B")[1]))
         else:
@@ -263,6 +265,13 @@ def test_every_recipe_plans_with_sensible_numbers(tmp_path, monkeypatch):
     assert actor7.layout.dp == 4 and actor7.state.optimizer == math.ceil(actor7.state.optimizer_unsharded / 4)
     demo = plans["demo_cpu.yaml"]
     assert demo.dtype == "fp32" and demo.step is None and demo.fits
+    # a CPU rank: the process, and the CPU engine's fp32 weights (134,515,008 parameters, transformers' count of the
+    # real model) kept through training; glibc keeps one more update working set (tests/test_real_model.py
+    # compares the whole figure with a measured run)
+    real = plans["demo.yaml"]
+    assert real.engine_resident == 134_515_008 * 4 and real.runtime_reserve > 0
+    assert real.allocator_retained == real.training_phases["update_actor"] == max(real.training_phases.values())
+    assert all(p.engine_resident == 0 and p.allocator_retained == 0 for p in plans.values() if p.device.peak_flops)
 
 
 def test_suggestions_make_an_oversized_config_fit():

@@ -40,7 +40,8 @@ def nan_run(tmp_path_factory):
     overrides = tiny_overrides(assets, run_dir, world=1, steps=4) + [
         f"data.max_prompt_length={MAX_PROMPT}", "data.filter_overlong_prompts=true",
         f"reward.custom_fn.path={root / 'reward.py'}", "reward.custom_fn.name=compute_score",
-        "trainer.max_consecutive_skips=2", "trainer.val_before_train=false"]
+        "trainer.max_consecutive_skips=2", "trainer.val_before_train=false",
+        "trainer.max_ckpt_to_keep=null"]  # keep every checkpoint: the test looks at which steps were written
     launch = train(overrides, world=1, env={"MPPO_FAULT": "nan_loss@step:1;nan_loss@step:3+"},
                    log=root / "nan_run.log")
     return launch, run_dir, assets, overrides

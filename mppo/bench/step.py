@@ -171,7 +171,6 @@ def rank_main(spec_path: str) -> None:
 
     from mppo.config import load_config
     from mppo.trainer.fit import PPOTrainer
-    from mppo.trainer.model_flops import ppo_step_flops
     from mppo.workers.batching import TOKEN_COUNTER
 
     cfg = load_config(spec["config"], spec["overrides"], world_size=int(os.environ["WORLD_SIZE"]))
@@ -202,8 +201,7 @@ def rank_main(spec_path: str) -> None:
             "response_length_min": metrics["response_length/min"],
             "score": metrics.get("critic/score/mean"), "padding": padding,
             "actor": {k: metrics[k] for k in ACTOR_KEYS if k in metrics},
-            "flops": ppo_step_flops(trainer.num_parameters, int(tokens), use_critic=trainer.use_critic,
-                                    use_ref=trainer.use_ref, old_log_prob_pass=trainer.old_log_prob_pass)})
+            "flops": trainer.step_flops})  # the trainer's own count for its perf/mfu (mppo.trainer.model_flops)
     if dist.get_rank() == 0:
         info = {"num_parameters": trainer.num_parameters, "world": trainer.dims.world,
                 "layout": {"tp": trainer.dims.tp, "pp": trainer.dims.pp, "dp": trainer.dims.dp},

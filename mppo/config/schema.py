@@ -253,7 +253,7 @@ class TrainerConfig:
     project_name: str = "mppo"  # project name (W&B project, run-dir part)
     experiment_name: str = "default"  # experiment name (W&B run, run-dir part)
     resume_mode: str = choice("auto", "disable")  # auto: resume from the latest checkpoint in default_local_dir
-    max_ckpt_to_keep: Optional[int] = None  # keep the newest N checkpoints; null: keep all
+    max_ckpt_to_keep: Optional[int] = 2  # keep the newest N checkpoints; null: keep all (veRL's default)
     max_consecutive_skips: int = 3  # stop after this many consecutive steps skipped for NaN/inf
     collective_timeout_s: int = 1800  # seconds a collective phase may take before the run aborts with a report
 

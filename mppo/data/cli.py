@@ -1,5 +1,9 @@
 """`mppo data countdown|multiply --out DIR ...`: write a generated task's train/test parquet files.
 
+`mppo data gsm8k --train-file FILE [--test-file FILE] --out DIR`: GSM8K from local parquet files (no download).
+All three take `--template chat` for instruct models: the plain question, in the tokenizer's own chat template when
+tokenized, scored in the "natural" reward style (mppo.rewards.answer).
+
 `mppo data tokenizer --data DIR --out DIR`: train a small local tokenizer on a task's texts (prompts and
 solutions), for tiny models that start from scratch (the CPU demo); no download.
 """
@@ -9,6 +13,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from mppo.data.gsm8k import GSM8K_TEMPLATES, write_gsm8k
 from mppo.data.tasks import TEMPLATES, TaskGenerationError, write_task
 
 
@@ -23,18 +28,32 @@ def _operand_range(text: str) -> int | tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected a count like 3 or a range like 3-4, got {text!r}") from None
 
 
+def _digits(text: str) -> int | tuple[int, int]:
+    """"3" → 3 (both operands), "2,1" → (2, 1) (at most 2 digits for the first operand, 1 for the second)."""
+    try:
+        if "," in text:
+            first, second = text.split(",", 1)
+            return int(first), int(second)
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a digit count like 3 or a pair like 2,1, got {text!r}") from None
+
+
+_TEMPLATE_HELP = ("base: plain-text conversation; qwen-instruct: <|im_start|> chat markers (both TinyZero's, "
+                  "<answer> tags); short: the question alone (tiny models on CPU); chat: the plain question in the "
+                  "tokenizer's chat template, scored in the natural style (instruct models)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mppo data", description="Generate TinyZero-style task data locally.")
-    tasks = parser.add_subparsers(dest="task", required=True, metavar="{countdown,multiply}")
+    tasks = parser.add_subparsers(dest="task", required=True, metavar="{countdown,multiply,gsm8k,tokenizer}")
 
     def common(sub: argparse.ArgumentParser, train_size: int, test_size: int) -> None:
         sub.add_argument("--out", required=True, help="directory for train.parquet and test.parquet")
         sub.add_argument("--train-size", type=int, default=train_size)
         sub.add_argument("--test-size", type=int, default=test_size)
         sub.add_argument("--seed", type=int, default=0)
-        sub.add_argument("--template", choices=TEMPLATES, default="base",
-                         help="base: plain-text conversation; qwen-instruct: <|im_start|> chat markers (both "
-                              "TinyZero's); short: the question alone (tiny models on CPU)")
+        sub.add_argument("--template", choices=TEMPLATES, default="base", help=_TEMPLATE_HELP)
 
     countdown = tasks.add_parser("countdown", help="reach a target with + - * / using each number once")
     common(countdown, train_size=10_000, test_size=1_000)
@@ -45,7 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     multiply = tasks.add_parser("multiply", help="multiply two integers")
     common(multiply, train_size=10_000, test_size=1_000)
-    multiply.add_argument("--digits", type=int, default=3, help="operands have at most this many digits")
+    multiply.add_argument("--digits", type=_digits, default=3,
+                          help="operands have at most this many digits (3), or A and B digits (2,1)")
+
+    gsm8k = tasks.add_parser("gsm8k", help="GSM8K from local parquet files (question, answer ending '#### N')")
+    gsm8k.add_argument("--out", required=True, help="directory for train.parquet and test.parquet")
+    gsm8k.add_argument("--train-file", required=True, help="a GSM8K-format parquet file (openai/gsm8k's columns)")
+    gsm8k.add_argument("--test-file", help="the test split's file; without it --test-size rows of the train file "
+                                           "are held out")
+    gsm8k.add_argument("--train-size", type=int, help="keep the first N train rows (default: all)")
+    gsm8k.add_argument("--test-size", type=int, help="test rows (default: all of --test-file, else 10%%)")
+    gsm8k.add_argument("--seed", type=int, default=0, help="which train rows are held out without --test-file")
+    gsm8k.add_argument("--template", choices=GSM8K_TEMPLATES, default="base",
+                       help="base: veRL's instruction to answer after '####' (strict scoring); chat: the plain "
+                            "question, natural scoring")
 
     tokenizer = tasks.add_parser("tokenizer", help="train a byte-level BPE tokenizer on a task's parquet files")
     tokenizer.add_argument("--data", required=True, help="directory with train.parquet (from `mppo data TASK`)")
@@ -84,6 +116,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"mppo data tokenizer: {err}", file=sys.stderr)
             return 2
         print(f"wrote a {len(tokenizer)}-token tokenizer to {args.out}")
+        return 0
+    if args.task == "gsm8k":
+        try:
+            train, test = write_gsm8k(args.train_file, args.out, test_file=args.test_file,
+                                      train_size=args.train_size, test_size=args.test_size, template=args.template,
+                                      seed=args.seed)
+        except TaskGenerationError as err:
+            print(f"mppo data gsm8k: {err}", file=sys.stderr)
+            return 2
+        print(f"wrote {train} and {test}")
         return 0
     if args.task == "countdown":
         options = {"num_operands": args.num_operands, "min_number": args.min_number,

@@ -2,7 +2,8 @@
 
 Every problem with the data is reported when the dataset is built, naming the file, the row and the fix: a
 missing or unreadable file, a row without a prompt, data_source or reward_model.ground_truth, an empty dataset,
-and (as configured) prompts longer than max_prompt_length.
+and (as configured) prompts longer than max_prompt_length. A row's `reward_model.style` other than "rule" (e.g.
+"natural", see mppo.rewards.answer) is handed to the reward function as `extra_info["reward_style"]`.
 """
 from __future__ import annotations
 
@@ -74,13 +75,21 @@ def _read_rows(path: str, prompt_key: str) -> list[_Row]:
         if not isinstance(extra_info, dict):
             raise DatasetError(f"{where}: extra_info must be a mapping such as {{'split': 'train', 'index': 0}}, "
                                f"got {type(extra_info).__name__}")
-        rows.append(_Row(path, i, prompt, data_source, reward_model["ground_truth"], dict(extra_info)))
+        extra_info = dict(extra_info)
+        style = reward_model.get("style")
+        if isinstance(style, str) and style not in ("", "rule"):  # "rule" is the scorers' default
+            extra_info.setdefault(REWARD_STYLE_KEY, style)
+        rows.append(_Row(path, i, prompt, data_source, reward_model["ground_truth"], extra_info))
     return rows
 
 
+# A row's reward_model.style other than "rule" reaches the reward function as extra_info[REWARD_STYLE_KEY]
+# (veRL's compute_score signature has no other per-row channel); mppo.rewards.answer documents the styles.
+REWARD_STYLE_KEY = "reward_style"
+
 # A prompt that already opens the assistant's turn (TinyZero's rows carry their own template) is used as written
 # under apply_chat_template="auto". The same markers as mppo.rewards.answer (same floor, so not imported).
-ASSISTANT_MARKERS = ("Assistant:", "<|im_start|>assistant")
+ASSISTANT_MARKERS = ("Assistant:", "<|im_start|>assistant", "<|start_header_id|>assistant")
 
 
 class RLDataset:

@@ -1,12 +1,19 @@
-"""TinyZero-style tasks generated locally with a seed: countdown and multiplication.
+"""TinyZero-style tasks generated locally with a seed (countdown, multiplication), and GSM8K from local files.
 
 Rows use veRL/TinyZero's parquet format:
 
-    data_source   "countdown" | "multiply"
+    data_source   "countdown" | "multiply" | "openai/gsm8k"
     prompt        [{"role": "user", "content": <the templated prompt text>}]
     ability       "math"
-    reward_model  {"style": "rule", "ground_truth": {"target": int, "numbers": [int, ...]} | int (the product)}
+    reward_model  {"style": "rule" | "natural",
+                   "ground_truth": {"target": int, "numbers": [int, ...]} | int (the product) | str (GSM8K)}
     extra_info    {"split": "train" | "test", "index": int, "solution": str}
+
+Templates: "base" and "qwen-instruct" are TinyZero's (the answer in `<answer>` tags, style "rule"); "short" keeps
+the question and the assistant turn of "base" (tiny models on CPU); "chat" is the plain question as a user message
+for instruct models: the tokenizer's own chat template is applied when the prompts are tokenized (RLDataset
+does so when the tokenizer has one), and the rows' reward style is "natural" (mppo.rewards.answer: the model's
+own way of answering is scored, `<answer>` tags or not).
 
 `extra_info.solution` is an answer that earns the full score (a countdown expression, or the product): handy for
 a supervised warm-up and for checking the data.
@@ -27,7 +34,7 @@ from mppo.errors import UserError
 
 # base and qwen-instruct are TinyZero's two prompt styles; short keeps only the question and the assistant turn
 # (same reward, same answer format) so that tiny models on CPU see ~25-token prompts instead of ~130 (the CPU demo).
-TEMPLATES = ("base", "qwen-instruct", "short")
+TEMPLATES = ("base", "qwen-instruct", "short", "chat")
 
 # TinyZero's countdown prompt (examples/data_preprocess/countdown.py); its reward looks for "Assistant:" or
 # "<|im_start|>assistant" and the <answer> tags.
@@ -45,6 +52,10 @@ _MULTIPLY_BASE = ("A conversation between User and Assistant. The user asks a qu
                   "user with the answer. The reasoning process and answer are enclosed within <think> </think> and "
                   "<answer> </answer> tags, respectively, i.e., <think> reasoning process here </think> <answer> "
                   "answer here </answer>. User: Calculate the following equation: {a} * {b} = Assistant:")
+# The "chat" template: a plain question; the tokenizer's chat template wraps it.
+_COUNTDOWN_CHAT = ("Using the numbers {numbers}, create an equation that equals {target}. Use +, -, * or / and "
+                   "each number exactly once.")
+_MULTIPLY_CHAT = "What is {a} * {b}? Answer with a number."
 _MULTIPLY_TASK = ("Calculate {a} * {b}. Show your work in <think> </think> tags. And return the final answer in "
                   "<answer> </answer> tags, for example <answer> 1234 </answer>.")
 
@@ -78,6 +89,8 @@ def _check_template(template: str) -> None:
 def countdown_prompt(target: int, numbers: list[int] | tuple[int, ...], template: str = "base") -> str:
     _check_template(template)
     task = _COUNTDOWN_TASK.format(numbers=list(numbers), target=target)
+    if template == "chat":
+        return _COUNTDOWN_CHAT.format(numbers=list(numbers), target=target)
     if template == "base":
         return f"{_BASE_PREAMBLE}\nUser: {task}\nAssistant: Let me solve this step by step.\n<think>"
     if template == "short":
@@ -88,6 +101,8 @@ def countdown_prompt(target: int, numbers: list[int] | tuple[int, ...], template
 
 def multiply_prompt(a: int, b: int, template: str = "base") -> str:
     _check_template(template)
+    if template == "chat":
+        return _MULTIPLY_CHAT.format(a=a, b=b)
     if template == "base":
         return _MULTIPLY_BASE.format(a=a, b=b)
     if template == "short":
@@ -154,34 +169,43 @@ def generate_countdown(count: int, *, num_operands: int | tuple[int, int] = 3, m
                    "raise --max-number, --max-target or --num-operands, or ask for fewer samples")
 
 
-def generate_multiply(count: int, *, digits: int = 3, seed: int = 0) -> list[MultiplyProblem]:
-    """`count` distinct pairs of operands with at most `digits` digits each (TinyZero: 0 .. 10**digits - 1)."""
-    if digits < 1:
+def generate_multiply(count: int, *, digits: int | tuple[int, int] = 3, seed: int = 0) -> list[MultiplyProblem]:
+    """`count` distinct pairs of operands with at most `digits` digits each (TinyZero: 0 .. 10**digits - 1), or
+    at most A digits for the first and B for the second with digits=(A, B)."""
+    digits_a, digits_b = (digits, digits) if isinstance(digits, int) else digits
+    if digits_a < 1 or digits_b < 1:
         raise TaskGenerationError(f"digits must be at least 1, got {digits}")
     rng = random.Random(seed)
-    top = 10 ** digits - 1
-    return _unique(count, lambda: MultiplyProblem(rng.randint(0, top), rng.randint(0, top)),
-                   lambda p: (p.a, p.b), "multiplication problems", "raise --digits or ask for fewer samples")
+    top_a, top_b = 10 ** digits_a - 1, 10 ** digits_b - 1
+    return _unique(count, lambda: MultiplyProblem(rng.randint(0, top_a), rng.randint(0, top_b)),
+                   lambda p: (p.a, p.b), "multiplication problems",
+                   f"at most {(top_a + 1) * (top_b + 1)} exist; raise --digits or ask for fewer samples")
 
 
-def _row(data_source: str, prompt: str, ground_truth: Any, split: str, index: int, solution: str) -> dict[str, Any]:
+def reward_style(template: str) -> str:
+    """The reward style of rows written with `template`: "natural" for chat, TinyZero's "rule" otherwise."""
+    return "natural" if template == "chat" else "rule"
+
+
+def _row(data_source: str, prompt: str, ground_truth: Any, split: str, index: int, solution: str,
+         template: str) -> dict[str, Any]:
     return {
         "data_source": data_source,
         "prompt": [{"role": "user", "content": prompt}],
         "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": ground_truth},
+        "reward_model": {"style": reward_style(template), "ground_truth": ground_truth},
         "extra_info": {"split": split, "index": index, "solution": solution},
     }
 
 
 def countdown_rows(problems: list[CountdownProblem], split: str, template: str = "base") -> list[dict[str, Any]]:
     return [_row("countdown", countdown_prompt(p.target, p.numbers, template),
-                 {"target": p.target, "numbers": list(p.numbers)}, split, i, p.solution)
+                 {"target": p.target, "numbers": list(p.numbers)}, split, i, p.solution, template)
             for i, p in enumerate(problems)]
 
 
 def multiply_rows(problems: list[MultiplyProblem], split: str, template: str = "base") -> list[dict[str, Any]]:
-    return [_row("multiply", multiply_prompt(p.a, p.b, template), p.product, split, i, str(p.product))
+    return [_row("multiply", multiply_prompt(p.a, p.b, template), p.product, split, i, str(p.product), template)
             for i, p in enumerate(problems)]
 
 

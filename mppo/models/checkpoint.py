@@ -22,6 +22,7 @@ from mppo.models.weights import write_hf_metadata
 
 MODEL_SUBDIR = "model"
 HF_SUBDIR = "hf"
+TRAINER_ROLES = ("actor", "critic")  # the worker checkpoints inside a trainer's checkpoints/global_step_N/
 
 
 def model_sharded_state_dict(model_chunks: Sequence[nn.Module]) -> dict:
@@ -57,6 +58,11 @@ def checkpoint_hf_dir(ckpt_dir: str | Path) -> Path:
     """The directory with the checkpoint's config.json (pass it to read_hf_config / build_gpt_model)."""
     path = Path(ckpt_dir) / HF_SUBDIR
     if not (path / "config.json").is_file():
+        roles = [role for role in TRAINER_ROLES if (Path(ckpt_dir) / role / HF_SUBDIR / "config.json").is_file()]
+        if roles:
+            raise FileNotFoundError(f"{ckpt_dir} is a training run's step directory, not a model checkpoint: give "
+                                    f"one of its models, e.g. --ckpt {Path(ckpt_dir) / roles[0]} (has: "
+                                    f"{', '.join(roles)})")
         raise FileNotFoundError(f"{ckpt_dir} is not an mppo model checkpoint: {path}/config.json is missing")
     return path
 

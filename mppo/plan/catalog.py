@@ -37,6 +37,11 @@ KNOWN_HF_CONFIGS: dict[str, dict[str, Any]] = {
     "Qwen2.5-32B": {**_QWEN2, "hidden_size": 5120, "intermediate_size": 27648, "num_hidden_layers": 64,
                     "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 152064,
                     "tie_word_embeddings": False},
+    # the real-model CPU demo's model (configs/demo.yaml), as `mppo convert gguf-to-hf` writes it
+    "SmolLM2-135M": {"model_type": "llama", "hidden_act": "silu", "hidden_size": 576, "intermediate_size": 1536,
+                     "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+                     "vocab_size": 49152, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+                     "max_position_embeddings": 8192, "tie_word_embeddings": True, "torch_dtype": "float32"},
     "Llama-3-8B": {"model_type": "llama", "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
                    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                    "vocab_size": 128256, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,

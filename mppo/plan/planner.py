@@ -9,6 +9,14 @@ with that state offloaded, so SGLang sizes its KV cache from the memory free in 
 (`gpu_memory_utilization` is SGLang's mem_fraction_static: KV = free_at_start x fraction - engine weights, the
 rest of the free memory is left for its activations and CUDA graphs). The reported figures are those of the
 worst rank (pipeline stage); every rank of a stage holds the same. On the CPU nothing is released or offloaded.
+
+A CPU rank (`--device cpu`) is planned as its peak resident set (what `perf/cpu_memory_peak_gb` reports), so three
+more terms count there: the process itself (CPU_RUNTIME), the CPU engine's weights, which stay in memory through
+training (they are the weight exporter's shared-memory staging buffer, written in place by each sync), and what
+glibc's allocator keeps: the activations an update frees stay in the heap and the next update allocates its own
+beside them, so the peak holds about one more training working set (measured on SmolLM2-135M-Instruct with
+configs/demo.yaml: the resident set rises by ~1.2-1.7 GiB over the live memory in the first steps, then stays;
+1.6 GiB is the update's working set).
 """
 from __future__ import annotations
 
@@ -24,6 +32,9 @@ from mppo.plan.catalog import DEVICES, DeviceSpec, GiB
 from mppo.plan.timing import StepTime, Workload, bubble, forward_flops, generation_time, training_flops
 
 RUNTIME_RESERVE = 3 * GiB  # CUDA context, NCCL buffers, allocator fragmentation: a rule of thumb, not measured
+# A CPU rank before it builds a model: Python with torch, megatron-core, transformers and mppo imported, the
+# tokenizer and the data loaded. Measured: 0.52-0.53 GiB resident on each of 2 ranks (configs/demo.yaml).
+CPU_RUNTIME = GiB // 2
 FORWARD_PHASE = {"actor": "old_log_prob", "ref": "ref", "critic": "values"}
 MEGATRON = {"actor": "actor_rollout_ref.actor.megatron", "critic": "critic.megatron",
             "ref": "actor_rollout_ref.ref.megatron"}
@@ -115,14 +126,17 @@ class Plan:
     suggestions: list[Suggestion] = field(default_factory=list)
     source: str = ""  # the config file planned
     moe: MoEPlan | None = None
+    engine_resident: float = 0.0  # rollout weights kept through training (the CPU engine's; SGLang releases its)
+    allocator_retained: float = 0.0  # CPU: freed activations glibc keeps in the heap (one training working set)
 
     @property
     def resident(self) -> float:
-        return sum(r.state.total for r in self.roles) + self.runtime_reserve
+        return sum(r.state.total for r in self.roles) + self.runtime_reserve + self.engine_resident
 
     @property
     def training_peak(self) -> float:
-        return self.resident + self.rollout.held_during_training + max(self.training_phases.values())
+        return (self.resident + self.rollout.held_during_training + max(self.training_phases.values())
+                + self.allocator_retained)
 
     @property
     def peak_phase(self) -> str:
@@ -274,7 +288,9 @@ def plan(cfg: MppoConfig, hf_args: HFModelArgs, device_memory_bytes: int | None 
         mem.check_layout(hf_args, lay)
     fused = arr.actor.logprob_impl == "fused"
     roles, phases, resident = _memory(hf_args, layouts, prec, seq, fused)
-    reserve = RUNTIME_RESERVE if on_gpu else 0
+    reserve = RUNTIME_RESERVE if on_gpu else CPU_RUNTIME
+    cpu_engine = arr.rollout.name != "sglang"
+    engine_resident = mem.engine_weight_bytes(hf_args, arr.rollout.tensor_model_parallel_size, 4) if cpu_engine else 0
 
     actor = layouts[0]
     lp_tokens = max(actor.micro_batch, *(lay.forward_micro_batch for lay in layouts if lay.role != "critic")) * seq
@@ -282,12 +298,13 @@ def plan(cfg: MppoConfig, hf_args: HFModelArgs, device_memory_bytes: int | None 
                           fused_bytes=mem.logprob_bytes(hf_args, actor.tp, lp_tokens, prec, True),
                           naive_bytes=mem.logprob_bytes(hf_args, actor.tp, lp_tokens, prec, False))
     kept, offloaded = _kept_during_rollout(cfg, roles, on_gpu)
-    rollout = _rollout(cfg, hf_args, spec, kept + reserve, offloaded, world, seq)
+    rollout = _rollout(cfg, hf_args, spec, kept + reserve + engine_resident, offloaded, world, seq)
     step = _step_time(cfg, hf_args, layouts, rollout, spec, world, mfu) if spec.peak_flops else None
     result = Plan(model=model_name or hf_args.model_type, params=mem.total_params(hf_args), device=spec, dtype=dtype,
                   attention="flash (Transformer Engine or SDPA)" if flash else "unfused (local spec)", world=world,
                   sequence_len=seq, roles=roles, runtime_reserve=reserve, training_phases=phases, logprob=logprob,
-                  rollout=rollout, step=step, moe=_moe(cfg, hf_args, layouts, roles, prec, seq))
+                  rollout=rollout, step=step, moe=_moe(cfg, hf_args, layouts, roles, prec, seq),
+                  engine_resident=engine_resident, allocator_retained=0.0 if on_gpu else max(phases.values()))
     if suggest and not result.fits:
         from mppo.plan.knobs import suggestions  # knobs re-plans trial configs with this function
 
@@ -348,13 +365,14 @@ def _rollout(cfg: MppoConfig, a: HFModelArgs, spec: DeviceSpec, resident: float,
         kv = share - weights
         fraction, peak = r.gpu_memory_utilization, resident + share
         held = 0.0 if r.free_cache_engine else share
-    else:  # the CPU engine: fp32 weights, a KV cache only for the batch it generates
+    else:  # the CPU engine: fp32 weights (already in `resident`: the exporter's staging buffer, kept through
+        # training whatever free_cache_engine says), a KV cache only for the batch it generates
         weights = mem.engine_weight_bytes(a, tp, 4)
         kv_token = mem.kv_bytes_per_token(a, tp, 4)
         kv = per_engine * seq * kv_token
-        peak = resident + weights + kv
+        peak = resident + kv
         fraction = peak / spec.memory_bytes
-        held = 0.0 if r.free_cache_engine else weights
+        held = 0.0
     return RolloutPlan(r.name, tp, engines, fraction, resident, offloaded, weights, kv, kv_token, seq, per_engine,
                        peak, spec.memory_bytes, held)
 

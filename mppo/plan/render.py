@@ -68,15 +68,16 @@ def render_text(p: Plan) -> str:
     stage = p.roles[0].stage
     add("")
     add(f"memory per {unit} (pipeline stage {stage} of {p.roles[0].layout.pp}: the fullest)")
-    rows = [row for r in p.roles for row in _state_rows(r, p.dtype)]
-    if p.runtime_reserve:
-        rows.append(("runtime reserve", "CUDA context, NCCL buffers, fragmentation (rule of thumb)", p.runtime_reserve))
+    rows = [row for r in p.roles for row in _state_rows(r, p.dtype)] + _host_rows(p)
     for name, note, value in rows:
         add(f"  {name:<18} {size(value):>10}  {note}")
     add(f"  {'resident':<18} {size(p.resident):>10}")
     if roll.held_during_training:
         add(f"training phase (the engine keeps {size(roll.held_during_training)}: rollout.free_cache_engine=false): "
             "working set on top of the resident state and the engine")
+    elif p.engine_resident:
+        add("training phase (the engine keeps its weights, frees its KV cache): working set on top of the resident "
+            "state")
     else:
         add("training phase (the engine has released its memory): working set on top of the resident state")
     for r in p.roles:
@@ -90,6 +91,9 @@ def render_text(p: Plan) -> str:
     lp = p.logprob
     add(f"  log-prob working set ({lp.tokens:g} tokens): fused kernel {size(lp.fused_bytes)}, naive [tokens x vocab] "
         f"logits {size(lp.naive_bytes)} (configured: {lp.impl})")
+    if p.allocator_retained:
+        add(f"  {'allocator keeps':<20} {size(p.allocator_retained):>10}  the previous update's freed activations "
+            "(glibc's heap: a CPU rank's resident set holds them beside the next update's)")
     verdict = "fits" if p.fits_training else "DOES NOT FIT"
     add(f"  peak ({PHASE_TEXT[p.peak_phase]}): {size(p.training_peak)} of {size(p.device.memory_bytes)}: {verdict}")
     add(_rollout_text(p))
@@ -109,6 +113,19 @@ def render_text(p: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _host_rows(p: Plan) -> list[tuple[str, str, float]]:
+    """The resident memory besides the models' state: the runtime, and the CPU engine's weights."""
+    rows = []
+    if p.runtime_reserve and p.device.peak_flops:
+        rows.append(("runtime reserve", "CUDA context, NCCL buffers, fragmentation (rule of thumb)", p.runtime_reserve))
+    elif p.runtime_reserve:
+        rows.append(("process", "Python, torch, megatron-core, transformers, data (measured)", p.runtime_reserve))
+    if p.engine_resident:
+        rows.append(("engine weights", f"CPU engine, fp32 HF layout (TP{p.rollout.engine_tp}), kept between syncs",
+                     p.engine_resident))
+    return rows
+
+
 def _rollout_text(p: Plan) -> str:
     r = p.rollout
     if r.engine == "sglang":
@@ -122,7 +139,9 @@ def _rollout_text(p: Plan) -> str:
     kept = (f"training state kept {gib(r.resident)} GiB (offloaded to host: {gib(r.offloaded)} GiB)" if r.offloaded
             else f"training state kept {gib(r.resident)} GiB (nothing offloaded)")
     waves = math.ceil(r.sequences_per_engine / r.concurrent_sequences) if r.concurrent_sequences else 0
-    return (f"{head}\n  {kept} + engine weights (TP{r.engine_tp}) {gib(r.weights)} GiB + KV cache {kv}\n  peak "
+    weights = ("(engine weights included) + " if p.engine_resident
+               else f"+ engine weights (TP{r.engine_tp}) {gib(r.weights)} GiB + ")
+    return (f"{head}\n  {kept} {weights}KV cache {kv}\n  peak "
             f"{gib(r.peak)} of {gib(r.device_memory)} GiB; each engine generates {r.sequences_per_engine} sequences "
             f"per step" + (f" in {waves} wave(s)" if waves else "") + f": {'fits' if r.fits else 'DOES NOT FIT'}")
 
@@ -154,10 +173,15 @@ def render_markdown(plans: list[Plan]) -> str:
         out += ["", f"**`{p.source}`** ({p.model}, {p.dtype}, {p.device.name}, pipeline stage {p.roles[0].stage}):", "",
                 "| per GPU | GiB | |", "|---|---:|---|"]
         rows = [row for r in p.roles for row in _state_rows(r, p.dtype)]
-        if p.runtime_reserve:
+        if p.runtime_reserve and p.device.peak_flops:
             rows.append(("runtime reserve", "CUDA context, NCCL, fragmentation", p.runtime_reserve))
+        elif p.runtime_reserve:
+            rows.append(("process", "Python, libraries, data (measured)", p.runtime_reserve))
         rows += [(f"{PHASE_TEXT[k]} working set", "training phase", v) for k, v in p.training_phases.items()]
-        rows += [("engine weights", f"rollout phase, TP{p.rollout.engine_tp}", p.rollout.weights),
+        if p.allocator_retained:
+            rows.append(("allocator keeps", "training phase: the previous update's freed activations", p.allocator_retained))
+        rows += [("engine weights", f"{'kept through training' if p.engine_resident else 'rollout phase'}, "
+                                    f"TP{p.rollout.engine_tp}", p.rollout.weights),
                  ("engine KV cache", f"rollout phase, {p.rollout.kv_tokens / 1e3:.0f}k tokens", p.rollout.kv_cache)]
         out += [f"| {name} | {gib(value)} | {note} |" for name, note, value in rows]
         for s in p.suggestions[:3]:

@@ -7,20 +7,28 @@ within 1e-5 of the target → `score`.
 
 Deliberate differences from TinyZero: `×`, `÷` and `−` are accepted as operators (the parser's alphabet), and the
 numbers used are the expression's literals (TinyZero regex-matches digit runs, so it reads `1.5` as 1 and 5).
+
+With `style="natural"` (see mppo.rewards.answer) the equation is the last `<answer>` anywhere in the assistant's
+text, else its last arithmetic expression ("(3 * 5) + 7 = 22" gives "(3 * 5) + 7"); none → 0, and the rest as above.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from mppo.rewards.answer import assistant_text, last_answer_tag
+from mppo.rewards.answer import assistant_text, check_style, last_answer_tag, last_expression, natural_text
 from mppo.rewards.arith import ParseError, parse_and_evaluate
 
 TOLERANCE = 1e-5
 
 
-def extract_solution(solution_str: str) -> str | None:
-    """The equation in the last `<answer>` tag on the assistant text's last line, or None."""
+def extract_solution(solution_str: str, style: str = "rule") -> str | None:
+    """The equation in the last `<answer>` tag on the assistant text's last line ("rule"), or the last tag or
+    expression anywhere in the assistant's text ("natural"); None when there is none."""
+    if check_style(style) == "natural":
+        text = natural_text(solution_str)
+        tagged = last_answer_tag(text, across_lines=True)
+        return tagged if tagged is not None else last_expression(text)
     text = assistant_text(solution_str)
     if text is None:
         return None
@@ -38,9 +46,9 @@ def _read_ground_truth(ground_truth: Mapping[str, Any]) -> tuple[int, list[int]]
 
 
 def compute_score(solution_str: str, ground_truth: Mapping[str, Any], format_score: float = 0.1,
-                  score: float = 1.0) -> float:
+                  score: float = 1.0, style: str = "rule") -> float:
     target, numbers = _read_ground_truth(ground_truth)
-    equation = extract_solution(solution_str)
+    equation = extract_solution(solution_str, style)
     if equation is None:
         return 0.0
     try:

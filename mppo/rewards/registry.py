@@ -5,6 +5,8 @@ Every reward function has veRL's signature:
     compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float
 
 `kwargs` carries optional overrides such as `format_score` (the reward manager passes it only when configured).
+The built-in scorers read the row's reward style ("rule" or "natural", see mppo.rewards.answer) from
+`extra_info["reward_style"]`, where RLDataset puts a row's `reward_model.style` when it is not "rule".
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any
 
 from mppo.errors import UserError
 from mppo.rewards import countdown, gsm8k, multiply
+from mppo.rewards.answer import REWARD_STYLES
 
 ComputeScore = Callable[..., Any]
 
@@ -43,6 +46,12 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth: Any
         raise RewardConfigError(
             f"no built-in reward for data_source {data_source!r}; known data sources: {known_data_sources()}. "
             "Set reward.custom_fn.path and reward.custom_fn.name to score other data.")
+    style = (extra_info or {}).get("reward_style", "rule") if isinstance(extra_info, dict) else "rule"
+    if style not in REWARD_STYLES:
+        raise RewardConfigError(f"unknown reward style {style!r} for data_source {data_source!r} "
+                                f"(reward_model.style); built-in scorers know {REWARD_STYLES}")
+    if style != "rule":
+        kwargs["style"] = style
     return float(scorer(solution_str, ground_truth, **kwargs))
 
 

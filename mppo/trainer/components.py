@@ -17,6 +17,8 @@ from mppo.config import ConfigError, MppoConfig
 from mppo.data import PromptLoader, RLDataset, load_tokenizer
 from mppo.errors import UserError
 from mppo.rewards import RewardManager, known_data_sources, resolve_compute_score
+from mppo.data.dataset import REWARD_STYLE_KEY
+from mppo.rewards.answer import REWARD_STYLES
 from mppo.rollout.base import SamplingParams
 
 log = logging.getLogger("mppo")
@@ -136,6 +138,10 @@ def build_data(cfg: MppoConfig) -> RunData:
         if unknown:
             raise ConfigError(f"no built-in reward for data_source {sorted(unknown)} (known: "
                               f"{known_data_sources()}); set reward.custom_fn.path to your own scorer")
+        styles = {train[i].extra_info.get(REWARD_STYLE_KEY, "rule") for i in range(len(train))}
+        if styles - set(REWARD_STYLES):
+            raise ConfigError(f"reward_model.style {sorted(styles - set(REWARD_STYLES))} in {cfg.data.train_files} "
+                              f"has no built-in scorer (known: {REWARD_STYLES}); set reward.custom_fn.path")
     loader = PromptLoader(train, cfg.data.train_batch_size, pad_token_id=tokenizer.pad_token_id,
                           shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     return RunData(tokenizer=tokenizer, train_loader=loader, val_dataset=val,

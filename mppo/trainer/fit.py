@@ -179,9 +179,13 @@ class PPOTrainer:
         log.info("resumed from %s (step %d)", info.path, self.step)
 
     def save_checkpoint(self) -> None:
-        writers = {"actor": lambda d: self._save_worker(self.actor, d)}
+        # The tokenizer files and generation_config.json go with each model, so `mppo convert mcore-to-hf` of a
+        # step's actor/ gives a directory that loads and generates as is.
+        model = self.cfg.actor_rollout_ref.model
+        tokenizer_dir = model.tokenizer_path or model.path
+        writers = {"actor": lambda d: self._save_worker(self.actor, d, tokenizer_dir=tokenizer_dir)}
         if self.critic is not None:
-            writers["critic"] = lambda d: self._save_worker(self.critic, d)
+            writers["critic"] = lambda d: self._save_worker(self.critic, d, tokenizer_dir=tokenizer_dir)
         state = {"step": self.step, "data": self.data.train_loader.state_dict(),
                  "kl_ctrl": self.kl_ctrl.state_dict(), "skipped_steps": self.skipped_steps,
                  "consecutive_skips": self.consecutive_skips}
@@ -303,12 +307,14 @@ class PPOTrainer:
         metrics = compute_data_metrics(full, max_response_length=self.cfg.data.max_response_length,
                                        max_prompt_length=self.cfg.data.max_prompt_length)
         metrics.update(timer.metrics())
-        generated = full.get(UNREJECTED_MASK, full["response_mask"])
-        num_tokens = int(full["prompt_mask"].sum().item() + generated.sum().item())
-        flops = ppo_step_flops(self.num_parameters, num_tokens, use_critic=self.use_critic, use_ref=self.use_ref,
-                               old_log_prob_pass=self.old_log_prob_pass)
+        # the tokens the policy generated (before rollout-correction rejection) are what each pass computes on
+        response_tokens = int(full.get(UNREJECTED_MASK, full["response_mask"]).sum().item())
+        num_tokens = int(full["prompt_mask"].sum().item()) + response_tokens
+        self.step_flops = ppo_step_flops(self.actor.hf_args, prompt_tokens=num_tokens - response_tokens,
+                                         response_tokens=response_tokens, use_critic=self.use_critic,
+                                         use_ref=self.use_ref, old_log_prob_pass=self.old_log_prob_pass)
         metrics.update(perf_metrics(num_tokens=num_tokens, step_seconds=timer.seconds["step"],
-                                    world_size=self.dims.world, flops=flops, device=self.device))
+                                    world_size=self.dims.world, flops=self.step_flops, device=self.device))
         errors = all_gather_rows(batch["reward_errors"], self.io.dp_group)
         metrics["reward/errors"] = float(errors.sum().item())
         return metrics

@@ -1,6 +1,8 @@
-"""Validation: generate on the validation set with `rollout.val_kwargs`, score, report `val/test_score/<source>`."""
+"""Validation: generate on the validation set with `rollout.val_kwargs`, score, report `val/test_score/<source>`
+and its wall time as `timing_s/testing` (veRL's name)."""
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,7 +16,9 @@ if TYPE_CHECKING:
 
 
 def validate(trainer: "PPOTrainer", dataset: RLDataset) -> dict[str, float]:
-    """Mean score per data source over the whole validation set (every rank gets the same numbers)."""
+    """Mean score per data source over the whole validation set (every rank gets the same numbers), and the
+    seconds it took (weight sync, generation and scoring)."""
+    began = time.perf_counter()
     cfg, io = trainer.cfg, trainer.io
     trainer.sync_weights()
     batch_size = cfg.data.val_batch_size or len(dataset)
@@ -37,4 +41,6 @@ def validate(trainer: "PPOTrainer", dataset: RLDataset) -> dict[str, float]:
         count += torch.zeros_like(count).index_add_(0, ids, torch.ones_like(scores))
     trainer.rollout.release()
     totals = all_gather_rows(torch.stack([score_sum, count]).unsqueeze(0), io.dp_group).sum(0)
-    return {f"val/test_score/{s}": (totals[0, i] / totals[1, i].clamp(min=1)).item() for s, i in source_id.items()}
+    metrics = {f"val/test_score/{s}": (totals[0, i] / totals[1, i].clamp(min=1)).item() for s, i in source_id.items()}
+    metrics["timing_s/testing"] = time.perf_counter() - began
+    return metrics
