@@ -116,6 +116,7 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"  # core_algos.KL_PENALTY_TYPES estimator for the KL loss
     logprob_impl: str = choice("fused", "naive")  # fused: chunked hidden->logprob kernel; naive: full logits
     kernel_backend: str = choice("auto", "triton", "torch")  # fused kernels: auto = triton on cuda, torch on cpu
+    calculate_sum_pi_squared: Optional[bool] = None  # sum_v p^2 per token in the old-log-prob pass; null: iff needed
     megatron: MegatronConfig = field(default_factory=actor_megatron_defaults)  # actor parallel layout
 
 
@@ -170,7 +171,7 @@ def critic_optim_defaults() -> OptimConfig:
 
 @dataclass
 class CriticConfig:
-    enable: Optional[bool] = None  # null: on iff the estimator needs values (core_algos.ESTIMATORS_NEEDING_CRITIC)
+    enable: Optional[bool] = None  # null: on iff the estimator needs values (adv_registry: needs "values")
     model: CriticModelConfig = field(default_factory=CriticModelConfig)  # critic initialisation
     optim: OptimConfig = field(default_factory=critic_optim_defaults)  # critic optimizer
     ppo_mini_batch_size: Optional[int] = None  # prompts per critic optimizer step; null: actor's

@@ -196,14 +196,38 @@ def _check_log_prob_batches(cfg: MppoConfig, key: str, dp: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------- algorithm
+def _missing_estimator_input(cfg: MppoConfig, name: str) -> ConfigError | None:
+    """Why the trainer, as configured, would not produce the estimator input `name`; None when it would.
+    (reward_baselines: the trainer generates ReMax's greedy rollout; old_log_probs: always there.)"""
+    alg, rollout = cfg.algorithm, cfg.actor_rollout_ref.rollout
+    needed_by = f"algorithm.adv_estimator = '{alg.adv_estimator}' needs"
+    if name == "values" and not cfg.critic.enable:
+        return _fail("critic.enable", cfg.critic.enable, f"{needed_by} a critic's values",
+                     "set critic.enable=true (or null), or use an estimator without values (grpo)")
+    # A group of one has no baseline: GRPO would silently become unbaselined REINFORCE and RLOO the raw score.
+    if name == "index" and rollout.n < 2:
+        return _fail(f"{ROLLOUT}.n", rollout.n, f"{needed_by} groups: it compares the responses of one prompt and "
+                     "needs at least 2 of them", f"set {ROLLOUT}.n >= 2 (e.g. 5)")
+    if name == "sum_pi_squared":
+        if not cfg.actor_rollout_ref.actor.calculate_sum_pi_squared:
+            return _fail(f"{ACTOR}.calculate_sum_pi_squared", False, f"{needed_by} sum_pi_squared from the actor's "
+                         "log-prob pass", "set it to true (or null)")
+        if alg.rollout_correction.bypass_mode:
+            return _fail(f"{RC}.bypass_mode", True, f"{needed_by} sum_pi_squared from the actor's log-prob pass, "
+                         "which bypass mode skips (old log-probs come from the engine)", "set bypass_mode=false")
+    return None
+
+
 def _check_algorithm(cfg: MppoConfig) -> None:
-    from mppo.core_algos import ESTIMATORS_NEEDING_CRITIC, ESTIMATORS_NEEDING_GROUPS
+    from mppo.core_algos import estimator_spec
 
     alg, actor, rollout = cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
-    if alg.adv_estimator in ESTIMATORS_NEEDING_CRITIC and not cfg.critic.enable:
-        raise _fail("critic.enable", cfg.critic.enable, f"algorithm.adv_estimator = '{alg.adv_estimator}' needs a "
-                    "critic's values", "set critic.enable=true (or null), or use an estimator without values (grpo)")
-    if cfg.critic.enable and alg.adv_estimator not in ESTIMATORS_NEEDING_CRITIC:
+    spec = estimator_spec(alg.adv_estimator)
+    for name in spec.needs:
+        error = _missing_estimator_input(cfg, name)
+        if error is not None:
+            raise error
+    if cfg.critic.enable and "values" not in spec.needs:
         warnings.warn(f"critic.enable = true but algorithm.adv_estimator = '{alg.adv_estimator}' does not use "
                       "values: the critic would train for nothing; set critic.enable=null", ConfigWarning, 3)
     loss = actor.policy_loss
@@ -213,10 +237,6 @@ def _check_algorithm(cfg: MppoConfig) -> None:
     if loss.clip_cov_lb >= loss.clip_cov_ub:
         raise _fail(f"{ACTOR}.policy_loss.clip_cov_lb", loss.clip_cov_lb, f"not below clip_cov_ub = "
                     f"{loss.clip_cov_ub}", "make the lower bound smaller than the upper")
-    # A group of one has no baseline: GRPO would silently become unbaselined REINFORCE and RLOO the raw score.
-    if alg.adv_estimator in ESTIMATORS_NEEDING_GROUPS and rollout.n < 2:
-        raise _fail(f"{ROLLOUT}.n", rollout.n, f"algorithm.adv_estimator = '{alg.adv_estimator}' compares the "
-                    "responses of one prompt and needs at least 2 of them", f"set {ROLLOUT}.n >= 2 (e.g. 5)")
     # veRL only warns; penalising the same KL twice is never what a recipe means, and the fix is one key.
     if alg.use_kl_in_reward and actor.use_kl_loss:
         raise ConfigError("algorithm.use_kl_in_reward and actor_rollout_ref.actor.use_kl_loss are both true: the KL "

@@ -30,7 +30,7 @@ from mppo.data.loader import PromptBatch
 from mppo.errors import UserError
 from mppo.parallel import collective_device
 from mppo.rollout.weight_sync import push_actor_weights
-from mppo.trainer import components, faults, rollout_correction
+from mppo.trainer import components, faults, remax, rollout_correction
 from mppo.trainer.checkpoint import CheckpointManager
 from mppo.trainer.metrics import (UNREJECTED_MASK, MetricsLogger, StepTimer, compute_data_metrics, perf_metrics,
                                   plot_metrics)
@@ -44,7 +44,7 @@ log = logging.getLogger("mppo")
 
 # Tensors gathered over DP so advantages see the whole global batch.
 _ADV_INPUTS = ("token_level_scores", "old_log_probs", "ref_log_prob", "values", "response_mask", "uid",
-               "rollout_log_probs")
+               "rollout_log_probs", "reward_baselines", "sum_pi_squared")
 
 
 class NonFiniteUpdatesError(UserError, FloatingPointError):
@@ -121,6 +121,8 @@ class PPOTrainer:
         self.engine = components.build_engine(cfg, self.device) if self.io.is_leader else None
         self.train_sampling = components.train_sampling(cfg, self.data.tokenizer)
         self.val_sampling = components.val_sampling(cfg, self.data.tokenizer)
+        # What the estimator declared it needs beyond rewards and mask (validation checked they can be produced).
+        self.estimator_needs = core_algos.estimator_spec(cfg.algorithm.adv_estimator).needs
 
         self.metrics = MetricsLogger(self.run_dir, cfg.trainer.logger, enabled=self.is_main,
                                      project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name)
@@ -198,6 +200,8 @@ class PPOTrainer:
                 sync_metrics = self.sync_weights()
             with self.phase(timer, "gen"):
                 batch = self.generate(local_prompts, offset, self.train_sampling, self.step)
+                if "reward_baselines" in self.estimator_needs:
+                    batch["reward_baselines"] = remax.reward_baselines(self, local_prompts, offset, self.step)
                 if self.engine is not None:
                     self.engine.release()
             temperature = cfg.actor_rollout_ref.rollout.temperature
@@ -206,8 +210,12 @@ class PPOTrainer:
                 batch["old_log_probs"] = batch["rollout_log_probs"]
             elif self.old_log_prob_pass:
                 with self.phase(timer, "old_log_prob"):
-                    batch["old_log_probs"], _ = self.actor.compute_log_prob(
-                        batch, temperature=temperature, micro_batch_size=self.old_log_prob_micro_batch)
+                    outs = self.actor.compute_log_prob_outputs(
+                        batch, temperature=temperature, micro_batch_size=self.old_log_prob_micro_batch,
+                        calculate_sum_pi_squared=bool(cfg.actor_rollout_ref.actor.calculate_sum_pi_squared))
+                    batch["old_log_probs"] = outs["log_probs"]
+                    if "sum_pi_squared" in outs:
+                        batch["sum_pi_squared"] = outs["sum_pi_squared"]
                 rollout_metrics.update(rollout_correction.mismatch_metrics(batch, self.io.dp_group))
             if self.ref is not None:
                 with self.phase(timer, "ref"):
@@ -263,7 +271,9 @@ class PPOTrainer:
         full["advantages"], full["returns"] = core_algos.compute_advantage(
             cfg.adv_estimator, token_level_rewards=full["token_level_rewards"], response_mask=full["response_mask"],
             values=full.get("values"), index=full["uid"].numpy().astype(object), gamma=cfg.gamma, lam=cfg.lam,
-            norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo, old_log_probs=full.get("old_log_probs"))
+            norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo, old_log_probs=full.get("old_log_probs"),
+            reward_baselines=full.get("reward_baselines"), sum_pi_squared=full.get("sum_pi_squared"),
+            rollout_is_weights=full.get("rollout_is_weights"))
         for key in ("token_level_rewards", "advantages", "returns", *corrected):
             batch[key] = local_rows(full[key], self.io.dp_group)
         self._full_batch = full  # for data metrics
