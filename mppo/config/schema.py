@@ -27,6 +27,7 @@ class DataConfig:
     train_files: Optional[List[str]] = None  # training parquet file(s), veRL row format; one path or a list
     val_files: Optional[List[str]] = None  # validation parquet file(s); null: no validation
     train_batch_size: int = 1024  # prompts per PPO step (each sampled rollout.n times)
+    gen_batch_size: Optional[int] = None  # prompts per generation batch (dynamic sampling); null: train_batch_size
     val_batch_size: Optional[int] = None  # prompts per validation batch; null: the whole validation set at once
     max_prompt_length: int = 512  # tokens; longer prompts are filtered or rejected (filter_overlong_prompts)
     max_response_length: int = 512  # tokens generated per response at most
@@ -206,6 +207,14 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    # veRL algorithm.filter_groups: DAPO dynamic sampling, drop groups whose responses all score the same
+    enable: bool = False  # drop uniform groups and generate more batches until train_batch_size groups are kept
+    metric: str = choice("reward", "seq_reward")  # per-response value compared: both = summed score before KL
+    max_num_gen_batches: int = 0  # generation batches per step at most; <= 0: no limit
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"  # core_algos.ADV_ESTIMATOR_REGISTRY: gae, grpo, rloo, reinforce_plus_plus, ...
     gamma: float = 1.0  # discount factor
@@ -215,6 +224,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"  # core_algos.KL_PENALTY_TYPES estimator for the in-reward KL
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)  # in-reward KL coefficient
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)  # TIS/IcePop/rejection
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO dynamic sampling
 
 
 # --------------------------------------------------------------------------------------------------------- reward

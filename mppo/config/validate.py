@@ -79,7 +79,7 @@ _OPTIMS = [f"{ACTOR}.optim", "critic.optim"]
 
 # (keys, (predicate, problem)); a null value is skipped here (non-Optional keys cannot be null after loading).
 _RANGES: list[tuple[list[str], tuple[Callable[[Any], bool], str]]] = [
-    (["data.train_batch_size", "data.val_batch_size", "data.max_prompt_length", "data.max_response_length",
+    (["data.train_batch_size", "data.gen_batch_size", "data.val_batch_size", "data.max_prompt_length", "data.max_response_length",
       f"{ACTOR}.ppo_mini_batch_size", f"{ACTOR}.ppo_micro_batch_size_per_gpu", f"{ACTOR}.ppo_max_token_len_per_gpu",
       f"{ACTOR}.ppo_epochs", f"{ROLLOUT}.n", f"{ROLLOUT}.tensor_model_parallel_size",
       f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", f"{ROLLOUT}.weight_bucket_mb", f"{ROLLOUT}.val_kwargs.n",
@@ -254,6 +254,28 @@ def _check_algorithm(cfg: MppoConfig) -> None:
                       "responses; set val_kwargs.do_sample=true or val_kwargs.n=1", ConfigWarning, 3)
 
 
+# ------------------------------------------------------------------------------------------------ dynamic sampling
+def _check_dynamic_sampling(cfg: MppoConfig, dp: int) -> None:
+    fg, tbs, gen = cfg.algorithm.filter_groups, cfg.data.train_batch_size, cfg.data.gen_batch_size
+    if not fg.enable:
+        if gen is not None and gen != tbs:
+            raise _fail("data.gen_batch_size", gen, f"differs from data.train_batch_size = {tbs} without dynamic "
+                        "sampling, which alone draws several generation batches per step",
+                        "set algorithm.filter_groups.enable=true or data.gen_batch_size=null")
+        return
+    if cfg.actor_rollout_ref.rollout.n < 2:
+        raise _fail(f"{ROLLOUT}.n", cfg.actor_rollout_ref.rollout.n, "algorithm.filter_groups drops groups whose "
+                    "responses all score the same, and a group of one is never dropped", f"set {ROLLOUT}.n >= 2")
+    gen = tbs if gen is None else gen
+    # A step that reaches max_num_gen_batches is filled with filtered groups: one generation batch must be enough.
+    if gen < tbs:
+        raise _fail("data.gen_batch_size", gen, f"smaller than data.train_batch_size = {tbs}",
+                    f"use at least {tbs} (DAPO recipes use about 3x)")
+    if gen % dp:
+        raise _fail("data.gen_batch_size", gen, f"does not split over the {dp} data-parallel ranks",
+                    f"use a multiple of {dp}")
+
+
 # ---------------------------------------------------------------------------------------------- rollout correction
 RC = "algorithm.rollout_correction"
 
@@ -353,6 +375,7 @@ def validate(cfg: MppoConfig, world_size: int | None = None) -> None:
                     f"{n_per_node} ranks (trainer.n_gpus_per_node)", f"use a divisor of {n_per_node}")
     actor_dp = _data_parallel_size(cfg, ACTOR, world, world_text)
     _check_batches(cfg, ACTOR, actor_dp)
+    _check_dynamic_sampling(cfg, actor_dp)
     _check_log_prob_batches(cfg, f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", actor_dp)
     if cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss:
         _check_log_prob_batches(cfg, f"{REF}.log_prob_micro_batch_size_per_gpu",

@@ -130,7 +130,8 @@ def build_data(cfg: MppoConfig) -> RunData:
         if unknown:
             raise ConfigError(f"no built-in reward for data_source {sorted(unknown)} (known: "
                               f"{known_data_sources()}); set reward.custom_fn.path to your own scorer")
-    loader = PromptLoader(train, cfg.data.train_batch_size, pad_token_id=tokenizer.pad_token_id,
+    # Each batch is one generation batch: dynamic sampling (algorithm.filter_groups) may use several per step.
+    loader = PromptLoader(train, cfg.data.gen_batch_size or cfg.data.train_batch_size, pad_token_id=tokenizer.pad_token_id,
                           shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     return RunData(tokenizer=tokenizer, train_loader=loader, val_dataset=val,
                    reward=RewardManager(tokenizer, compute_score, format_score=cfg.reward.format_score))

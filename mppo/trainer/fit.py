@@ -15,7 +15,7 @@ whitening, GRPO groups, the KL controller) are exactly veRL's whatever the layou
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from mppo.errors import UserError
 from mppo.parallel import collective_device
 from mppo.rollout.weight_sync import push_actor_weights
 from mppo.trainer import components, faults, remax, rollout_correction
+from mppo.trainer.dynamic_sampling import DynamicSampler
 from mppo.trainer.checkpoint import CheckpointManager
 from mppo.trainer.metrics import (UNREJECTED_MASK, MetricsLogger, StepTimer, compute_data_metrics, perf_metrics,
                                   plot_metrics)
@@ -123,6 +124,7 @@ class PPOTrainer:
         self.val_sampling = components.val_sampling(cfg, self.data.tokenizer)
         # What the estimator declared it needs beyond rewards and mask (validation checked they can be produced).
         self.estimator_needs = core_algos.estimator_spec(cfg.algorithm.adv_estimator).needs
+        self.dynamic_sampler = DynamicSampler(self) if cfg.algorithm.filter_groups.enable else None
 
         self.metrics = MetricsLogger(self.run_dir, cfg.trainer.logger, enabled=self.is_main,
                                      project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name)
@@ -192,16 +194,26 @@ class PPOTrainer:
             batch["reward_errors"] = torch.tensor([reward_metrics.get("reward/errors", 0.0)])
         return self.io.broadcast_from_leader(batch)
 
-    def train_step(self, prompts: PromptBatch) -> dict[str, float]:
+    def rollout(self, local_prompts: PromptBatch, offset: int) -> dict[str, torch.Tensor]:
+        """This rank's training rollout of its prompts (and ReMax's greedy baselines when the estimator needs them)."""
+        batch = self.generate(local_prompts, offset, self.train_sampling, self.step)
+        if "reward_baselines" in self.estimator_needs:
+            batch["reward_baselines"] = remax.reward_baselines(self, local_prompts, offset, self.step)
+        return batch
+
+    def train_step(self, prompts: PromptBatch,
+                   more_prompts: Callable[[], PromptBatch] | None = None) -> dict[str, float]:
+        """One PPO step on `prompts`; with dynamic sampling (algorithm.filter_groups) `more_prompts` gives the
+        further generation batches (none: the first batch is all there is)."""
         cfg, timer = self.cfg, StepTimer()
         with self.phase(timer, "step"):
-            local_prompts, offset = self.io.dp_slice(prompts)
             with self.phase(timer, "weight_sync"):
                 sync_metrics = self.sync_weights()
             with self.phase(timer, "gen"):
-                batch = self.generate(local_prompts, offset, self.train_sampling, self.step)
-                if "reward_baselines" in self.estimator_needs:
-                    batch["reward_baselines"] = remax.reward_baselines(self, local_prompts, offset, self.step)
+                if self.dynamic_sampler is not None:
+                    batch, sampling_metrics = self.dynamic_sampler.collect(prompts, more_prompts)
+                else:
+                    batch, sampling_metrics = self.rollout(*self.io.dp_slice(prompts)), {}
                 if self.engine is not None:
                     self.engine.release()
             temperature = cfg.actor_rollout_ref.rollout.temperature
@@ -228,7 +240,7 @@ class PPOTrainer:
             if self.faults:
                 self.faults.poison_update_inputs(batch, self.step + 1)
             # Worker metrics are global (identical on every rank); `skipped` marks a non-finite update.
-            metrics: dict[str, float] = {**adv_metrics, **sync_metrics}
+            metrics: dict[str, float] = {**adv_metrics, **sync_metrics, **sampling_metrics}
             if self.critic is not None:
                 with self.phase(timer, "update_critic"):
                     critic_metrics = self.critic.update(batch)
@@ -306,26 +318,24 @@ class PPOTrainer:
         bar = tqdm(total=self.total_steps, initial=self.step, desc="ppo", disable=not self.is_main,
                    dynamic_ncols=True)
         loader = self.data.train_loader
+        batches = _endless(loader)  # one stream: dynamic sampling may take several batches in a step
         while self.step < self.total_steps:
-            for prompts in loader:
-                metrics = self.train_step(prompts)
-                self.step += 1
-                self._count_skips(metrics)
-                metrics["training/epoch"] = loader.epoch
-                last = self.step >= self.total_steps
-                if self.data.val_dataset is not None and cfg.test_freq > 0 and (
-                        self.step % cfg.test_freq == 0 or last):
-                    metrics.update(self.validate())
-                self.metrics.log(self.step, metrics)
-                self._stop_if_diverging()
-                bar.update(1)
-                bar.set_postfix({k.split("/", 1)[-1]: f"{metrics[k]:.3g}" for k in
-                                 ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "response_length/mean")
-                                 if k in metrics}, refresh=False)
-                if (cfg.save_freq > 0 and self.step % cfg.save_freq == 0) or last:
-                    self.save_checkpoint()
-                if last:
-                    break
+            metrics = self.train_step(next(batches), more_prompts=lambda: next(batches))
+            self.step += 1
+            self._count_skips(metrics)
+            metrics["training/epoch"] = loader.epoch
+            last = self.step >= self.total_steps
+            if self.data.val_dataset is not None and cfg.test_freq > 0 and (
+                    self.step % cfg.test_freq == 0 or last):
+                metrics.update(self.validate())
+            self.metrics.log(self.step, metrics)
+            self._stop_if_diverging()
+            bar.update(1)
+            bar.set_postfix({k.split("/", 1)[-1]: f"{metrics[k]:.3g}" for k in
+                             ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "response_length/mean")
+                             if k in metrics}, refresh=False)
+            if (cfg.save_freq > 0 and self.step % cfg.save_freq == 0) or last:
+                self.save_checkpoint()
         bar.close()
         self.watchdog.close()
         self.metrics.close()
@@ -355,6 +365,12 @@ class PPOTrainer:
                 f"norm and were skipped (trainer.max_consecutive_skips={limit}); the weights are those of the last "
                 f"good step and the last checkpoint is in {self.ckpt.root}. Lower the learning rate, or check the "
                 "rewards and data of these steps (metrics.jsonl)")
+
+
+def _endless(loader) -> Iterator[PromptBatch]:
+    """The loader's batches epoch after epoch (its state always says what was handed out)."""
+    while True:
+        yield from loader
 
 
 def _count_parameters(model_chunks, io: ModelParallelIO) -> int:
