@@ -225,6 +225,7 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)  # in-reward KL coefficient
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)  # TIS/IcePop/rejection
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO dynamic sampling
+    mask_truncated_responses: bool = False  # DAPO overlong filtering: length-cut responses out of every loss
 
 
 # --------------------------------------------------------------------------------------------------------- reward
@@ -235,8 +236,24 @@ class CustomRewardFnConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    # veRL 0.9.1's DAPO reward manager: penalise responses longer than max_resp_len - len, linearly
+    enable: bool = False  # add min(-(length - (max_resp_len - len)) / len * penalty_factor, 0) to each score
+    len: int = 4096  # tokens before max_resp_len where the penalty ramps from 0 to -penalty_factor
+    penalty_factor: float = 1.0  # penalty at max_resp_len tokens
+    log: bool = False  # log reward/overlong_penalty/mean and reward/overlong_ratio
+
+
+@dataclass
+class RewardKwargsConfig:
+    overlong_buffer_cfg: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO soft penalty
+    max_resp_len: Optional[int] = None  # length the penalty ends at; null: data.max_response_length
+
+
+@dataclass
 class RewardConfig:
     custom_fn: CustomRewardFnConfig = field(default_factory=CustomRewardFnConfig)  # user reward function
+    reward_kwargs: RewardKwargsConfig = field(default_factory=RewardKwargsConfig)  # veRL reward_kwargs (DAPO)
     format_score: Optional[float] = None  # score of a well-formed wrong answer; null: each task's own (countdown 0.1)
 
 
@@ -283,6 +300,7 @@ MEGATRON_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
 # (from the estimator), see resolve().
 INHERITED_FROM: dict[str, str] = {
     "data.seed": "trainer.seed",
+    "reward.reward_kwargs.max_resp_len": "data.max_response_length",
     "actor_rollout_ref.model.tokenizer_path": "actor_rollout_ref.model.path",
     f"{ACTOR}.clip_ratio_low": f"{ACTOR}.clip_ratio",
     f"{ACTOR}.clip_ratio_high": f"{ACTOR}.clip_ratio",

@@ -276,6 +276,15 @@ def _check_dynamic_sampling(cfg: MppoConfig, dp: int) -> None:
                     f"use a multiple of {dp}")
 
 
+def _check_overlong_buffer(cfg: MppoConfig) -> None:
+    kw = cfg.reward.reward_kwargs
+    buffer = kw.overlong_buffer_cfg
+    if buffer.enable and not 0 < buffer.len <= kw.max_resp_len:
+        raise _fail("reward.reward_kwargs.overlong_buffer_cfg.len", buffer.len, f"must be in 1..max_resp_len = "
+                    f"{kw.max_resp_len} (the penalty ramps over the last len tokens)",
+                    f"use e.g. {max(1, kw.max_resp_len // 4)}, or set enable=false")
+
+
 # ---------------------------------------------------------------------------------------------- rollout correction
 RC = "algorithm.rollout_correction"
 
@@ -376,6 +385,7 @@ def validate(cfg: MppoConfig, world_size: int | None = None) -> None:
     actor_dp = _data_parallel_size(cfg, ACTOR, world, world_text)
     _check_batches(cfg, ACTOR, actor_dp)
     _check_dynamic_sampling(cfg, actor_dp)
+    _check_overlong_buffer(cfg)
     _check_log_prob_batches(cfg, f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", actor_dp)
     if cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss:
         _check_log_prob_batches(cfg, f"{REF}.log_prob_micro_batch_size_per_gpu",

@@ -30,7 +30,7 @@ from mppo.data.loader import PromptBatch
 from mppo.errors import UserError
 from mppo.parallel import collective_device
 from mppo.rollout.weight_sync import push_actor_weights
-from mppo.trainer import components, faults, remax, rollout_correction
+from mppo.trainer import components, faults, remax, response_shaping, rollout_correction
 from mppo.trainer.dynamic_sampling import DynamicSampler
 from mppo.trainer.checkpoint import CheckpointManager
 from mppo.trainer.metrics import (UNREJECTED_MASK, MetricsLogger, StepTimer, compute_data_metrics, perf_metrics,
@@ -45,7 +45,7 @@ log = logging.getLogger("mppo")
 
 # Tensors gathered over DP so advantages see the whole global batch.
 _ADV_INPUTS = ("token_level_scores", "old_log_probs", "ref_log_prob", "values", "response_mask", "uid",
-               "rollout_log_probs", "reward_baselines", "sum_pi_squared")
+               "rollout_log_probs", "reward_baselines", "sum_pi_squared", "responses")
 
 
 class NonFiniteUpdatesError(UserError, FloatingPointError):
@@ -197,6 +197,7 @@ class PPOTrainer:
     def rollout(self, local_prompts: PromptBatch, offset: int) -> dict[str, torch.Tensor]:
         """This rank's training rollout of its prompts (and ReMax's greedy baselines when the estimator needs them)."""
         batch = self.generate(local_prompts, offset, self.train_sampling, self.step)
+        response_shaping.shape_scores(self.cfg, batch)
         if "reward_baselines" in self.estimator_needs:
             batch["reward_baselines"] = remax.reward_baselines(self, local_prompts, offset, self.step)
         return batch
@@ -280,6 +281,11 @@ class PPOTrainer:
             full["token_level_rewards"] = full["token_level_scores"]
         corr_metrics, corrected = self.rollout_corr.before_advantages(full)  # IS weights, rejection: after the KL
         metrics.update(corr_metrics)
+        sampling = self.train_sampling
+        trunc_metrics, masked = response_shaping.mask_truncated(
+            self.cfg, full, () if sampling.ignore_eos else sampling.stop_token_ids)
+        metrics.update(trunc_metrics)
+        corrected = tuple(dict.fromkeys((*corrected, *masked)))
         full["advantages"], full["returns"] = core_algos.compute_advantage(
             cfg.adv_estimator, token_level_rewards=full["token_level_rewards"], response_mask=full["response_mask"],
             values=full.get("values"), index=full["uid"].numpy().astype(object), gamma=cfg.gamma, lam=cfg.lam,
@@ -297,6 +303,7 @@ class PPOTrainer:
         metrics = compute_data_metrics(full, max_response_length=self.cfg.data.max_response_length,
                                        max_prompt_length=self.cfg.data.max_prompt_length)
         metrics.update(timer.metrics())
+        metrics.update(response_shaping.overlong_metrics(self.cfg, full))
         generated = full.get(UNREJECTED_MASK, full["response_mask"])
         num_tokens = int(full["prompt_mask"].sum().item() + generated.sum().item())
         flops = ppo_step_flops(self.num_parameters, num_tokens, use_critic=self.use_critic, use_ref=self.use_ref,
