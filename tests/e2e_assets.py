@@ -1,4 +1,5 @@
-"""A tiny, complete PPO run directory for end-to-end tests: countdown data, a local tokenizer, a random Qwen2."""
+"""A tiny, complete PPO run directory for end-to-end tests: countdown data, a local tokenizer, a random Qwen2 (or
+Qwen3-MoE)."""
 from __future__ import annotations
 
 import json
@@ -22,10 +23,11 @@ def dense_reward(root: Path) -> list[str]:
 
 
 def make_assets(root: Path, *, train_size: int = 64, test_size: int = 16, hidden: int = 32,
-                layers: int = 2) -> Path:
-    """Write root/data/{train,test}.parquet and root/model (HF Qwen2 + tokenizer); return root."""
+                layers: int = 2, moe: bool = False) -> Path:
+    """Write root/data/{train,test}.parquet and root/model (HF Qwen2 + tokenizer; with `moe` a Qwen3-MoE of 4
+    experts, top-2); return root."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from mppo.data import build_local_tokenizer, write_task
 
@@ -35,11 +37,16 @@ def make_assets(root: Path, *, train_size: int = 64, test_size: int = 16, hidden
     texts = [r["prompt"][0]["content"] for r in rows] + [str(r["extra_info"]["solution"]) for r in rows]
     tokenizer = build_local_tokenizer(texts, 320, root / "model")
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    Qwen2ForCausalLM(config).save_pretrained(root / "model", safe_serialization=True)
+    fields = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                  bos_token_id=None)
+    if moe:
+        config = Qwen3MoeConfig(**fields, moe_intermediate_size=hidden, num_experts=4, num_experts_per_tok=2,
+                                norm_topk_prob=True, head_dim=hidden // 4)
+        Qwen3MoeForCausalLM(config).save_pretrained(root / "model", safe_serialization=True)
+    else:
+        Qwen2ForCausalLM(Qwen2Config(**fields)).save_pretrained(root / "model", safe_serialization=True)
     (root / "dense_reward.py").write_text(DENSE_REWARD_FN)
     return root
 

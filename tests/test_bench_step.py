@@ -194,3 +194,28 @@ def test_token_counter_is_reset_and_totals():
     assert total.padding_fraction == pytest.approx(0.2)
     TOKEN_COUNTER.reset()
     assert TOKEN_COUNTER.phases == {}
+
+
+def test_bench_step_runs_a_tiny_moe_at_ep2(tmp_path):
+    """GRPO on a random Qwen3-MoE (4 experts, top-2) at EP2 over 2 ranks: the run completes, says what it ran, and
+    counts the model's parameters in full (each rank holds half of the experts)."""
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "MPPO_BENCH_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "mppo", "bench", "step", "--estimators", "grpo", "--nproc", "2", "--experts", "4",
+           "--ep", "2", "--warmup", "0", "--steps", "1", "--repeats", "1", "--batch", "4", "--n", "2",
+           "--response-length", "8", "--hidden", "32", "--layers", "2", "--token-budget", "1024", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "random Qwen3-MoE (4 experts, top-2, EP2)" in proc.stdout and "GRPO" in proc.stdout
+    result = json.loads(out.read_text())
+    from safetensors import safe_open
+
+    from mppo.models.vocab import padded_vocab_size
+
+    (model_dir,) = (tmp_path / "cache").glob("assets-*-moe4/model")
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:  # the HF checkpoint's own count
+        hf_params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    config = json.loads((model_dir / "config.json").read_text())
+    padding = (padded_vocab_size(config["vocab_size"], 1) - config["vocab_size"]) * config["hidden_size"]
+    assert result["results"]["grpo"]["num_parameters"] == hf_params + 2 * padding  # embedding + output layer
+    assert result["summaries"]["grpo"]["tokens_per_s"] > 0

@@ -68,6 +68,7 @@ VERL_DEFAULTS = {
     f"{ACTOR}.shuffle": False, f"{ACTOR}.megatron.tensor_model_parallel_size": 1,
     f"{ACTOR}.megatron.pipeline_model_parallel_size": 1, f"{ACTOR}.megatron.virtual_pipeline_model_parallel_size": None,
     f"{ACTOR}.megatron.use_distributed_optimizer": True, f"{ACTOR}.megatron.seed": 42,
+    f"{ACTOR}.megatron.expert_model_parallel_size": 1,
     "actor_rollout_ref.model.trust_remote_code": False,
     "actor_rollout_ref.rollout.temperature": 1.0, "actor_rollout_ref.rollout.top_k": -1,
     "actor_rollout_ref.rollout.top_p": 1.0, "actor_rollout_ref.rollout.gpu_memory_utilization": 0.5,
@@ -318,6 +319,40 @@ def test_virtual_pipeline_needs_pipeline():
     message = error_of(f"{ACTOR}.megatron.virtual_pipeline_model_parallel_size=2")
     assert message.startswith(f"{ACTOR}.megatron.virtual_pipeline_model_parallel_size = 2: interleaving needs")
     load(f"{ACTOR}.megatron.virtual_pipeline_model_parallel_size=1")  # 1 = no interleaving
+
+
+def test_expert_parallel_must_divide_data_parallel_and_is_inherited():
+    cfg = load(f"{ACTOR}.megatron.expert_model_parallel_size=4", f"{ACTOR}.megatron.tensor_model_parallel_size=2")
+    assert cfg.critic.megatron.expert_model_parallel_size == 4  # null: the actor's
+    assert cfg.actor_rollout_ref.ref.megatron.expert_model_parallel_size == 4
+    message = error_of(f"{ACTOR}.megatron.expert_model_parallel_size=4", f"{ACTOR}.megatron.tensor_model_parallel_size=4")
+    assert message == (f"{ACTOR}.megatron.expert_model_parallel_size = 4: the experts are split over data-parallel "
+                       "ranks, and DP = world 8 / (TP x PP = 4) = 2 is not a multiple of it; use a divisor of 2: 1, 2")
+    assert "must be >= 1" in error_of(f"{ACTOR}.megatron.expert_model_parallel_size=0")
+
+
+def _moe_dir(tmp_path: Path, name: str, experts: int | None) -> Path:
+    import json
+
+    model = tmp_path / name
+    model.mkdir()
+    config = {"model_type": "qwen3_moe" if experts else "qwen3", "vocab_size": 100}
+    if experts:
+        config["num_experts"] = experts
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def test_expert_parallel_must_divide_the_models_experts(tmp_path):
+    six, dense = _moe_dir(tmp_path, "six", 6), _moe_dir(tmp_path, "dense", None)
+    load(f"actor_rollout_ref.model.path={six}", f"{ACTOR}.megatron.expert_model_parallel_size=2")
+    message = error_of(f"actor_rollout_ref.model.path={six}", f"{ACTOR}.megatron.expert_model_parallel_size=4")
+    assert message == (f"{ACTOR}.megatron.expert_model_parallel_size = 4: does not divide the 6 experts of the model "
+                       f"at {str(six)!r}; use a divisor of 6 that divides DP: 1, 2, 3, 6")
+    message = error_of(f"actor_rollout_ref.model.path={dense}", f"{ACTOR}.megatron.expert_model_parallel_size=2")
+    assert message.startswith(f"{ACTOR}.megatron.expert_model_parallel_size = 2: the model at {str(dense)!r} is "
+                              "dense (qwen3, no routed experts); set it to 1")
+    load(f"actor_rollout_ref.model.path={dense}")
 
 
 def test_rollout_engine_must_fit_in_a_node():

@@ -156,3 +156,72 @@ def test_check_layout():
         check_layout(4, 3, 1)
     with pytest.raises(ParallelLayoutError, match="needs pp >= 2"):
         check_layout(4, 2, 1, 2)
+    assert check_layout(8, 2, 1, ep=4) == 4 and check_layout(8, 1, 2, ep=2) == 4
+    with pytest.raises(ParallelLayoutError, match="ep=4 does not divide the data-parallel size 2"):
+        check_layout(8, 2, 2, ep=4)
+
+
+QWEN3 = {  # the shape of Qwen3-0.6B's config.json: head_dim 128 != hidden / heads = 64
+    "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000, "tie_word_embeddings": True, "max_position_embeddings": 40960,
+    "hidden_act": "silu", "attention_bias": False, "use_sliding_window": False, "torch_dtype": "bfloat16",
+}
+QWEN3_MOE = {  # the shape of Qwen3-30B-A3B's config.json
+    **QWEN3, "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "tie_word_embeddings": False, "num_experts": 128,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "router_aux_loss_coef": 0.001,
+}
+
+
+def test_qwen3_config_maps_to_megatron():
+    args = read_hf_config(QWEN3)
+    tc = transformer_config_kwargs(args)
+    assert tc["qk_layernorm"] and not tc["add_qkv_bias"] and tc["kv_channels"] == 128
+    assert "num_moe_experts" not in tc and not args.is_moe and args.moe_layers == ()
+
+
+def test_qwen3_moe_config_maps_to_megatron():
+    args = read_hf_config(QWEN3_MOE)
+    tc = transformer_config_kwargs(args)
+    assert args.is_moe and tc["qk_layernorm"]
+    assert (tc["num_moe_experts"], tc["moe_router_topk"], tc["moe_ffn_hidden_size"]) == (128, 8, 768)
+    # renormalised top-k softmax = softmax over the top-k logits (megatron without pre-softmax)
+    assert tc["moe_router_pre_softmax"] is False and tc["moe_router_score_function"] == "softmax"
+    assert tc["moe_token_dispatcher_type"] == "alltoall" and tc["moe_layer_freq"] == [1] * 48
+    unnormed = read_hf_config({**QWEN3_MOE, "norm_topk_prob": False})
+    assert transformer_config_kwargs(unnormed)["moe_router_pre_softmax"] is True
+    # transformers 5 writes num_local_experts; dense layers from decoder_sparse_step and mlp_only_layers
+    mixed = {k: v for k, v in QWEN3_MOE.items() if k != "num_experts"}
+    mixed.update(num_local_experts=8, num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])
+    args = read_hf_config(mixed)
+    assert args.num_experts == 8 and args.moe_layers == (1, 5)
+    assert transformer_config_kwargs(args)["moe_layer_freq"] == [0, 1, 0, 0, 0, 1]
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"shared_expert_intermediate_size": 5632}, "shared_expert_intermediate_size"),
+    ({"n_shared_experts": 1}, "n_shared_experts"),
+    ({"scoring_func": "sigmoid"}, "scoring_func"),
+    ({"topk_method": "noaux_tc"}, "topk_method"),
+    ({"n_group": 8, "topk_group": 4}, "n_group"),
+    ({"routed_scaling_factor": 2.5}, "routed_scaling_factor"),
+])
+def test_unsupported_moe_variants_name_the_key(change, key):
+    with pytest.raises(UnsupportedModelError, match=f"config.json has {key}=.*not supported"):
+        read_hf_config({**QWEN3_MOE, **change})
+    # the values that mean "not used" are accepted
+    read_hf_config({**QWEN3_MOE, "shared_expert_intermediate_size": 0, "scoring_func": "softmax", "n_group": 1})
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"attention_bias": True}, "attention_bias"),
+    ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"num_experts_per_tok": 0}, "num_experts_per_tok"),
+    ({"num_experts_per_tok": 200}, "more than num_experts"),
+    ({"mlp_only_layers": list(range(48))}, "no MoE layer"),
+])
+def test_unsupported_qwen3_variants(change, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        read_hf_config({**QWEN3_MOE, **change})

@@ -124,12 +124,15 @@ def test_convert_tp2pp2_checkpoint_loads_at_tp1(ranks, model):
 
 def test_every_cpu_compat_patch_is_still_needed(ranks):
     from mppo.parallel.cpu_compat import PATCHES
+    from test_models_moe import MOE_CPU_PATCHES  # probed at EP2 by tests/dist/models_moe.py
 
     names = [p.name for p in PATCHES]
+    dense = [name for name in names if name not in MOE_CPU_PATCHES]
     for r in ranks:
         assert r["cpu_compat/patches"] == names
         assert r["cpu_compat/installed"] == names and sorted(r["cpu_compat/installed_after"]) == sorted(names)
-        for name in names:
+        assert r["cpu_compat/probed"] == dense
+        for name in dense:
             without = r[f"cpu_compat/{name}/without"]
             assert without not in ("no error", "no probe for this patch"), \
                 f"patch {name!r}: its call site works without it ({without}); remove the patch"

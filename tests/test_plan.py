@@ -7,6 +7,7 @@ it builds tiny models with mppo's builders and optimizer and prints the bytes th
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -100,7 +101,7 @@ def test_builtin_param_counts_match_public_numbers():
     from mppo.plan.memory import total_params
 
     public = {"Qwen2.5-0.5B": 0.49e9, "Qwen2.5-1.5B": 1.54e9, "Qwen2.5-3B": 3.09e9, "Qwen2.5-7B": 7.61e9,
-              "Qwen2.5-32B": 32.76e9, "Llama-3-8B": 8.03e9}
+              "Qwen2.5-32B": 32.76e9, "Llama-3-8B": 8.03e9, "Qwen3-30B-A3B": 30.5e9}
     for name, count in public.items():
         got = total_params(read_hf_config(known_config(name)[1]))
         assert abs(got - count) / count < 0.01, (name, got, count)
@@ -117,7 +118,7 @@ def test_param_counts_match_transformers():
     from mppo.plan.catalog import known_config
     from mppo.plan.memory import total_params
 
-    for name in ("Qwen2.5-0.5B", "Llama-3-8B"):
+    for name in ("Qwen2.5-0.5B", "Llama-3-8B", "Qwen3-0.6B", "Qwen3-30B-A3B"):
         raw = known_config(name)[1]
         hf = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items()
                                                          if k not in ("model_type", "torch_dtype")})
@@ -362,3 +363,45 @@ def test_plans_md_is_up_to_date(tmp_path, capsys, monkeypatch):
 
 if __name__ == "__main__" and sys.argv[1:] == ["MEASURE"]:
     _measure()
+
+
+def test_moe_experts_per_ep_rank_and_all_to_all_bytes_by_hand():
+    """Qwen3-30B-A3B at TP1 PP1 DP8 EP8: each rank holds 16 of the 128 experts of all 48 layers; the experts'
+    Adam state is divided over expert-DP 1, the rest over DP 8; all-to-all sent per rank per step counted by hand.
+    EP that does not divide the experts or DP, or EP on a dense model, is a PlanError naming the key."""
+    from mppo.config import load_config
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan import known_config, plan
+    from mppo.plan.memory import PlanError, Precision, model_state
+
+    a = read_hf_config(known_config("Qwen3-30B-A3B")[1])
+    h, f, layers = 2048, 768, 48
+    expert = 3 * h * f
+    assert a.moe_layers == tuple(range(layers))
+    attention = h * (32 * 128 + 2 * 4 * 128) + 32 * 128 * h
+    per_layer = attention + 16 * expert + 2 * h + 2 * 128 + 128 * h  # + norms, q/k norms, router
+    lay = dataclasses.replace(_layout(dp=8, distributed=True), ep=8)
+    state = model_state(a, lay, Precision.for_dtype(2, True), stage=0)
+    emb = 151936 * h
+    assert state.params == layers * per_layer + 2 * emb + h
+    experts = layers * 16 * expert
+    assert state.optimizer == math.ceil((state.params - experts) * 12 / 8) + experts * 12
+
+    overrides = ["trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=8",
+                 "data.train_batch_size=64", "actor_rollout_ref.rollout.n=8", "data.max_prompt_length=1024",
+                 "data.max_response_length=1024", "actor_rollout_ref.actor.ppo_mini_batch_size=64",
+                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "algorithm.adv_estimator=grpo",
+                 "actor_rollout_ref.actor.use_kl_loss=true", "algorithm.use_kl_in_reward=false",
+                 "actor_rollout_ref.actor.reuse_on_policy_log_prob=false"]
+    p = plan(load_config(None, overrides), a)
+    tokens = 64 * 8 * 2048 / 8
+    passes = 2 + 1 + 1  # update forward + backward, old log-probs, reference
+    assert (p.moe.ep, p.moe.experts_per_rank, p.moe.expert_params_per_rank) == (8, 16, experts)
+    assert p.moe.all_to_all_bytes_per_step == passes * layers * 2 * tokens * 8 * h * 2 * 7 / 8
+    assert p.roles[0].layout.ep == 8
+    bad = load_config(None, overrides)
+    bad.actor_rollout_ref.actor.megatron.expert_model_parallel_size = 3  # past the config validation
+    with pytest.raises(PlanError, match="EP = 3 does not divide DP = 8"):
+        plan(bad, a)
+    with pytest.raises(PlanError, match="EP=8 needs a MoE model"):
+        plan(load_config(None, overrides), read_hf_config(known_config("Qwen3-0.6B")[1]))

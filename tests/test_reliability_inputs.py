@@ -38,6 +38,13 @@ def cases(tmp_path_factory):
     config = json.loads((small_vocab / "config.json").read_text())
     config["vocab_size"] = 100
     (small_vocab / "config.json").write_text(json.dumps(config))
+    moe_configs = {"shared_expert_model": dict(shared_expert_intermediate_size=64),
+                   "three_expert_model": dict(num_experts=3)}
+    for name, change in moe_configs.items():  # Qwen3-MoE variants of the tiny model's config
+        shutil.copytree(assets / "model", root / name)
+        moe = {**json.loads((assets / "model" / "config.json").read_text()), "model_type": "qwen3_moe",
+               "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, **change}
+        (root / name / "config.json").write_text(json.dumps(moe))
     files = {"missing": root / "missing" / "train.parquet", "garbage": root / "garbage.parquet",
              "no_prompt": _write_rows(root / "no_prompt.parquet", no_prompt, schema),
              "no_truth": _write_rows(root / "no_truth.parquet", no_truth, schema),
@@ -72,6 +79,15 @@ def cases(tmp_path_factory):
                                        ["needs Transformer Engine", "pip install mppo[gpu]"]),
         "SGLang missing": (["actor_rollout_ref.rollout.name=sglang"],
                            ["rollout.name=sglang needs SGLang", "pip install 'mppo[gpu]'", "rollout.name=cpu"]),
+        "unsupported MoE variant": ([f"actor_rollout_ref.model.path={root / 'shared_expert_model'}"],
+                                    ["config.json has shared_expert_intermediate_size=64", "not supported",
+                                     "remove shared_expert_intermediate_size"]),
+        "expert parallel size that does not divide the experts": (
+            ["env:WORLD_SIZE=2", "env:RANK=0", "trainer.n_gpus_per_node=2",
+             f"actor_rollout_ref.model.path={root / 'three_expert_model'}",
+             "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"],
+            ["actor_rollout_ref.actor.megatron.expert_model_parallel_size = 2", "does not divide the 3 experts",
+             "use a divisor of 3"]),
         "bad MPPO_FAULT": (["env:MPPO_FAULT=explode@step:1"], ["MPPO_FAULT='explode@step:1'", "kill|hang|nan_loss"]),
         # rank 0 of a 2-rank launch, as torchrun would start it (the torchrun test below has the launcher's race)
         "parallel sizes that do not fit": (["env:WORLD_SIZE=2", "env:RANK=0", "trainer.n_gpus_per_node=2",

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qwen3MoeConfig
 
 from mppo.rollout import RolloutStateError, SamplingParams, cpu_decode
 from mppo.rollout.cpu_engine import CPURolloutEngine
@@ -53,9 +54,35 @@ def prompts():
     return [[rng.randrange(VOCAB) for _ in range(rng.randrange(2, 14))] for _ in range(10)]
 
 
+@pytest.fixture(scope="module")
+def moe_source(tmp_path_factory):
+    """A Qwen3-MoE (4 experts, top-2, norm_topk_prob; layer 1 dense via mlp_only_layers, head_dim 24)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(77)
+        config = Qwen3MoeConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=48, num_experts=4,
+            num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=256,
+            tie_word_embeddings=False, initializer_range=0.2, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp("moe") / "model"
+    model.save_pretrained(path, safe_serialization=True)
+    _CHECKPOINT_STATE[id(model)] = load_file(str(path / "model.safetensors"))  # one tensor per expert weight
+    return model
+
+
+_CHECKPOINT_STATE: dict[int, dict[str, torch.Tensor]] = {}
+
+
+def checkpoint_state(source) -> dict[str, torch.Tensor]:
+    """The weights under HF checkpoint names (what mppo's exporter streams): transformers keeps a MoE model's
+    experts fused in 3D parameters, its checkpoint has one tensor per expert and projection."""
+    return _CHECKPOINT_STATE.get(id(source)) or source.state_dict()
+
+
 def loaded_engine(source, config=None) -> CPURolloutEngine:
     engine = CPURolloutEngine(config or source.config)
-    engine.update_weights(source.state_dict().items())
+    engine.update_weights(checkpoint_state(source).items())
     return engine
 
 
@@ -86,6 +113,28 @@ def test_weights_after_update_equal_the_source_bitwise(source):
     assert engine_state["model.norm.weight"].data_ptr() != state["model.norm.weight"].data_ptr()
 
 
+def test_moe_weights_arrive_per_expert_into_the_fused_parameters(moe_source):
+    """Each checkpoint tensor of an expert lands in its slice of transformers' fused [E, ...] parameters, bitwise;
+    a stream without one expert's weight is refused; release and resume keep the per-expert names working."""
+    state = checkpoint_state(moe_source)
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in state and "model.layers.1.mlp.gate_proj.weight" in state
+    engine = loaded_engine(moe_source)
+    engine_state = engine.state_dict()
+    assert set(engine_state) == set(state)
+    for name, tensor in state.items():
+        assert torch.equal(as_bits(engine_state[name]), as_bits(tensor)), name
+    fused = dict(moe_source.named_parameters())
+    for name, param in engine._model.named_parameters():  # the fused parameters equal transformers' own
+        assert torch.equal(param, fused[name]), name
+    missing = "model.layers.2.mlp.experts.1.down_proj.weight"
+    with pytest.raises(KeyError, match=f"lacked 1 of the model's weights.*{missing}"):
+        CPURolloutEngine(moe_source.config).update_weights([(n, t) for n, t in state.items() if n != missing])
+    engine.release()
+    engine.update_weights(state.items())
+    engine.resume()
+    assert all(torch.equal(engine.state_dict()[n], t) for n, t in state.items())
+
+
 def test_update_weights_rejects_bad_streams(source):
     state = source.state_dict()
     engine = CPURolloutEngine(source.config)
@@ -109,7 +158,9 @@ def test_update_weights_rejects_bad_streams(source):
     engine.generate([[1, 2]], SamplingParams(max_new_tokens=2), step=0)
 
 
-def test_rollout_log_probs_equal_hf_recompute(source, prompts):
+@pytest.mark.parametrize("model", ["source", "moe_source"])
+def test_rollout_log_probs_equal_hf_recompute(model, prompts, request):
+    source = request.getfixturevalue(model)
     engine = loaded_engine(source)
     for sampling, temperature in [(SAMPLED, 0.7), (SamplingParams(n=1, do_sample=False, max_new_tokens=12), 1.0)]:
         responses = engine.generate(prompts, sampling, step=3)
@@ -252,7 +303,8 @@ def mha_source():
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("model, n", [("source", 4), ("odd_source", 4), ("mha_source", 3), ("mha_source", 1)])
+@pytest.mark.parametrize("model, n", [("source", 4), ("odd_source", 4), ("mha_source", 3), ("mha_source", 1),
+                                      ("moe_source", 3)])
 def test_bitwise_invariance_with_long_prompts_stops_compaction_and_threads(model, n, request, monkeypatch):
     """Prompts over several attention blocks, samples stopping at different steps (so batches compact at
     different times in different compositions), other prompts around them, DP splits and worker threads."""
@@ -342,7 +394,9 @@ def test_seeds_steps_and_samples_give_different_rollouts(source, prompts):
     assert any(len({tuple(s) for s in samples}) > 1 for samples in per_prompt), "the n samples of a prompt differ"
 
 
-def test_greedy_equals_hf_generate(source, prompts):
+@pytest.mark.parametrize("model", ["source", "moe_source"])
+def test_greedy_equals_hf_generate(model, prompts, request):
+    source = request.getfixturevalue(model)
     engine = loaded_engine(source)
     for sampling in [SamplingParams(do_sample=False, max_new_tokens=10), SamplingParams(temperature=0.0, max_new_tokens=10)]:
         responses = engine.generate(prompts, sampling, step=0)

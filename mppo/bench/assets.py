@@ -27,6 +27,7 @@ class ModelSize:
     vocab: int = 512  # tokenizer target; the trained BPE may end up smaller
     max_positions: int = 2048
     eos_probability: float = 0.0  # > 0: make every step stop with about this probability (see `raise_eos`)
+    experts: int = 0  # > 0: a Qwen3-MoE with this many experts (top-2, experts of half the dense MLP width)
 
 
 def make_bench_assets(root: str | Path, *, size: ModelSize = ModelSize(), train_size: int = 512,
@@ -50,12 +51,29 @@ def make_bench_assets(root: str | Path, *, size: ModelSize = ModelSize(), train_
     spec = TinyModelSpec(hidden_size=size.hidden, num_layers=size.layers, num_heads=size.heads,
                          num_kv_heads=size.kv_heads, intermediate_size=int(2.75 * size.hidden),
                          max_position_embeddings=size.max_positions, tie_word_embeddings=False)
-    model = init_tiny_model(tokenizer, spec, seed=seed)
+    model = init_tiny_model(tokenizer, spec, seed=seed) if not size.experts else _tiny_moe(tokenizer, spec, size, seed)
     if size.eos_probability > 0:
         raise_eos(model, tokenizer.eos_token_id, size.eos_probability)
     model.save_pretrained(root / "model", safe_serialization=True)
     stamp_path.write_text(json.dumps(stamp))
     return root
+
+
+def _tiny_moe(tokenizer, spec, size: ModelSize, seed: int):
+    """A random fp32 Qwen3MoeForCausalLM of the same shape as the dense bench model, every layer MoE."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        moe_intermediate_size=spec.intermediate_size // 2, num_experts=size.experts, num_experts_per_tok=2,
+        norm_topk_prob=True, num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads, head_dim=spec.hidden_size // spec.num_heads,
+        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=False, bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen3MoeForCausalLM(config).float()
 
 
 def raise_eos(model, eos_token_id: int, probability: float) -> None:
@@ -86,7 +104,10 @@ def raise_eos(model, eos_token_id: int, probability: float) -> None:
         model.model.embed_tokens.weight[:, channel] = 1.0
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight[channel, :] = 0.0
-            layer.mlp.down_proj.weight[channel, :] = 0.0
+            if hasattr(layer.mlp, "experts"):  # Qwen3-MoE: [experts, hidden, intermediate]
+                layer.mlp.experts.down_proj[:, channel, :] = 0.0
+            else:
+                layer.mlp.down_proj.weight[channel, :] = 0.0
         head = model.lm_head.weight
         head[:, channel] = 0.0
         normed = model.model(probe).last_hidden_state[..., channel].mean().item()

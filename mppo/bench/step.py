@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=1, help="ranks (torchrun processes)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size (with --experts)")
+    p.add_argument("--experts", type=int, default=0, help="> 0: a Qwen3-MoE with this many experts (top-2)")
     p.add_argument("--threads-per-rank", type=int, default=0, help="torch threads per rank (0: cores / nproc)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2, help="steps per repeat")
@@ -111,6 +113,7 @@ def run_spec(opts: argparse.Namespace, estimator: str, assets: Path, run_dir: Pa
     mini = max(dp, opts.batch // opts.mini_batches)  # optimizer steps per update
     overrides += [f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={opts.tp}",
                   f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={opts.pp}",
+                  f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={opts.ep}",
                   f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}"]
     if opts.token_budget:
         overrides += ["actor_rollout_ref.actor.use_dynamic_bsz=true",
@@ -274,11 +277,11 @@ def render(summaries: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def bench_assets(hidden: int, layers: int, eos_prob: float) -> Path:
+def bench_assets(hidden: int, layers: int, eos_prob: float, experts: int = 0) -> Path:
     from mppo.bench.assets import ModelSize, make_bench_assets
 
-    size = ModelSize(hidden=hidden, layers=layers, eos_probability=eos_prob)
-    root = CACHE / f"assets-h{hidden}-l{layers}-eos{eos_prob:.4f}"
+    size = ModelSize(hidden=hidden, layers=layers, eos_probability=eos_prob, experts=experts)
+    root = CACHE / (f"assets-h{hidden}-l{layers}-eos{eos_prob:.4f}" + (f"-moe{experts}" if experts else ""))
     return make_bench_assets(root, size=size)
 
 
@@ -294,10 +297,13 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--mini-batches must be >= 1 and divide --batch {opts.batch}, got {opts.mini_batches}")
     if opts.nproc % (opts.tp * opts.pp):
         raise ValueError(f"--nproc {opts.nproc} must be a multiple of --tp x --pp = {opts.tp * opts.pp}")
+    if opts.ep < 1 or (opts.nproc // (opts.tp * opts.pp)) % opts.ep or (opts.ep > 1 and not opts.experts):
+        raise ValueError(f"--ep {opts.ep} needs --experts and must divide the data-parallel size "
+                         f"--nproc / (--tp x --pp) = {opts.nproc // (opts.tp * opts.pp)}")
     cores = cpu_cores()
     threads = opts.threads_per_rank or max(1, cores // opts.nproc)
     eos_prob = opts.eos_prob or min(0.5, 2.0 / opts.response_length)
-    assets = bench_assets(opts.hidden, opts.layers, eos_prob)
+    assets = bench_assets(opts.hidden, opts.layers, eos_prob, opts.experts)
     peak_threads = min(cores, opts.nproc * threads)
     out: dict[str, Any] = {"cores": cores, "threads_per_rank": threads, "peak_threads": peak_threads,
                            "eos_prob": eos_prob, "assets": str(assets), "results": {}, "summaries": {}}
@@ -325,7 +331,8 @@ def describe(opts: argparse.Namespace, out: dict[str, Any]) -> str:
     micro = (f"token budget {opts.token_budget} tokens per micro-batch (use_dynamic_bsz)" if opts.token_budget
              else "4 rows per micro-batch (by count)")
     return "\n".join([
-        f"mppo bench step: random Qwen2 (hidden {opts.hidden}, {opts.layers} layers, "
+        f"mppo bench step: random {f'Qwen3-MoE ({opts.experts} experts, top-2, EP{opts.ep})' if opts.experts else 'Qwen2'}"
+        f" (hidden {opts.hidden}, {opts.layers} layers, "
         f"{first['num_parameters'] / 1e6:.2f}M parameters, fp32), countdown prompts, responses <= "
         f"{opts.response_length} tokens (stop probability {out['eos_prob']:.3f} per token)",
         f"layout: TP{layout['tp']} PP{layout['pp']} DP{layout['dp']} = {first['world']} rank(s) x "

@@ -71,6 +71,7 @@ class MegatronConfig:
     tensor_model_parallel_size: Optional[int] = None  # TP: ranks sharding each layer
     pipeline_model_parallel_size: Optional[int] = None  # PP: pipeline stages
     virtual_pipeline_model_parallel_size: Optional[int] = None  # model chunks per stage (interleaved 1F1B); 1 = none
+    expert_model_parallel_size: Optional[int] = None  # EP: ranks splitting each MoE layer's experts (from DP)
     use_distributed_optimizer: Optional[bool] = None  # shard optimizer state over DP ranks (ZeRO-1)
     recompute: Optional[str] = field(default=None, metadata={"choices": RECOMPUTE})  # activation recomputation
     seed: Optional[int] = None  # model-parallel RNG seed (init, dropout); actor: null = trainer.seed
@@ -78,7 +79,8 @@ class MegatronConfig:
 
 def actor_megatron_defaults() -> MegatronConfig:
     return MegatronConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                          virtual_pipeline_model_parallel_size=None, use_distributed_optimizer=True,
+                          virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
+                          use_distributed_optimizer=True,
                           recompute="none", seed=None)
 
 
@@ -294,7 +296,8 @@ class MppoConfig:
 # ------------------------------------------------------------------------------------------------- inheritance
 ACTOR = "actor_rollout_ref.actor"
 MEGATRON_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "virtual_pipeline_model_parallel_size", "use_distributed_optimizer", "recompute", "seed")
+                 "virtual_pipeline_model_parallel_size", "expert_model_parallel_size", "use_distributed_optimizer",
+                 "recompute", "seed")
 
 # key -> parent key: a null key takes its parent's (resolved) value. critic.enable is resolved separately
 # (from the estimator), see resolve().

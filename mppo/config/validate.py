@@ -88,7 +88,8 @@ _RANGES: list[tuple[list[str], tuple[Callable[[Any], bool], str]]] = [
       "trainer.total_training_steps", "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.max_ckpt_to_keep",
       "trainer.collective_timeout_s"]
      + [f"{m}.{k}" for m in _ROLES_MEGATRON for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                                       "virtual_pipeline_model_parallel_size")], _at_least(1)),
+                                                       "virtual_pipeline_model_parallel_size",
+                                                       "expert_model_parallel_size")], _at_least(1)),
     ([f"{o}.{k}" for o in _OPTIMS for k in ("lr", "weight_decay", "clip_grad")]
      + [f"{ACTOR}.kl_loss_coef", "algorithm.kl_ctrl.kl_coef", f"{ROLLOUT}.val_kwargs.temperature",
         "trainer.critic_warmup", "trainer.max_consecutive_skips"], _at_least(0)),
@@ -118,8 +119,8 @@ def _check_ranges(cfg: MppoConfig) -> None:
         if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
             raise _fail(f"{opt}.betas", betas, "Adam needs two betas in [0, 1)", "e.g. [0.9, 0.999]")
     for m in _ROLES_MEGATRON:
-        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "use_distributed_optimizer",
-                  "recompute", "seed"):
+        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                  "use_distributed_optimizer", "recompute", "seed"):
             if get_key(cfg, f"{m}.{k}") is None:
                 raise ConfigError(f"{m}.{k} is null; set it (only the critic's and ref's may be null: "
                                   f"they then take the actor's)")
@@ -141,7 +142,7 @@ def _world(cfg: MppoConfig, world_size: int | None) -> tuple[int, str]:
 
 
 def _data_parallel_size(cfg: MppoConfig, role: str, world: int, world_text: str) -> int:
-    """DP of `role` after checking that its TP x PP layout fits the world."""
+    """DP of `role` after checking that its TP x PP layout fits the world and EP divides DP."""
     m = f"{role}.megatron"
     tp, pp = get_key(cfg, f"{m}.tensor_model_parallel_size"), get_key(cfg, f"{m}.pipeline_model_parallel_size")
     if world % (tp * pp):
@@ -151,7 +152,12 @@ def _data_parallel_size(cfg: MppoConfig, role: str, world: int, world_text: str)
     if vpp is not None and pp < 2:
         raise _fail(f"{m}.virtual_pipeline_model_parallel_size", vpp, "interleaving needs pipeline parallelism",
                     f"set {m}.pipeline_model_parallel_size > 1 or virtual_pipeline_model_parallel_size=null")
-    return world // (tp * pp)
+    dp, ep = world // (tp * pp), get_key(cfg, f"{m}.expert_model_parallel_size")
+    if dp % ep:  # megatron takes the EP ranks from the data-parallel ones
+        raise _fail(f"{m}.expert_model_parallel_size", ep, f"the experts are split over data-parallel ranks, and "
+                    f"DP = world {world} / (TP x PP = {tp * pp}) = {dp} is not a multiple of it",
+                    f"use a divisor of {dp}: {_divisors(dp)}")
+    return dp
 
 
 def _divisors(n: int) -> str:
@@ -332,15 +338,38 @@ def _check_rollout_correction(cfg: MppoConfig) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- model limits
-def _max_positions(model_path: str) -> int | None:
-    """max_position_embeddings from the model's config.json; None when there is none to read (the model loader
-    reports a missing or broken model directory with its own message)."""
+def _model_config(model_path: str) -> dict | None:
+    """The model's config.json; None when there is none to read (the model loader reports a missing or broken
+    model directory with its own message)."""
     try:
         config = json.loads((Path(model_path).expanduser() / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    limit = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return config if isinstance(config, dict) else None
+
+
+def _max_positions(model_path: str) -> int | None:
+    limit = (_model_config(model_path) or {}).get("max_position_embeddings")
     return limit if isinstance(limit, int) else None
+
+
+def check_expert_parallel(cfg: MppoConfig) -> None:
+    """Each role's expert_model_parallel_size must divide its model's routed experts (a dense model: 1)."""
+    roles = [(ACTOR, cfg.actor_rollout_ref.model.path), (REF, cfg.actor_rollout_ref.model.path)]
+    if cfg.critic.enable:
+        roles.append(("critic", cfg.critic.model.path))
+    for role, path in roles:
+        key = f"{role}.megatron.expert_model_parallel_size"
+        ep, config = get_key(cfg, key), _model_config(path) if path else None
+        if config is None or ep == 1:
+            continue
+        experts = config.get("num_experts") or config.get("num_local_experts")
+        if not experts:
+            raise _fail(key, ep, f"the model at {path!r} is dense ({config.get('model_type')}, no routed experts)",
+                        "set it to 1")
+        if experts % ep:
+            raise _fail(key, ep, f"does not divide the {experts} experts of the model at {path!r}",
+                        f"use a divisor of {experts} that divides DP: {_divisors(experts)}")
 
 
 def check_model_limits(cfg: MppoConfig) -> None:
@@ -393,3 +422,4 @@ def validate(cfg: MppoConfig, world_size: int | None = None) -> None:
     if cfg.critic.enable:
         _check_batches(cfg, "critic", _data_parallel_size(cfg, "critic", world, world_text))
     check_model_limits(cfg)
+    check_expert_parallel(cfg)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mppo.models.hf_config import HFModelArgs, gpt_model_kwargs, read_hf_config, transformer_config_kwargs
-from mppo.models.spec import TransformerImpl, gpt_layer_spec
+from mppo.models.spec import TransformerImpl, gpt_decoder_spec
 from mppo.models.vocab import padded_vocab_size
 from mppo.parallel import ParallelDims, ParallelLayoutError
 
@@ -53,6 +53,12 @@ def build_transformer_config(args: HFModelArgs, dims: ParallelDims, *, dtype: to
     if args.num_query_groups % dims.tp != 0:
         raise ParallelLayoutError(
             f"tp={dims.tp} does not divide the model's {args.num_query_groups} key/value heads; pick a tp that does")
+    if args.is_moe and args.num_experts % dims.ep != 0:
+        raise ParallelLayoutError(
+            f"expert parallel size ep={dims.ep} does not divide the model's {args.num_experts} experts; pick an ep "
+            f"that divides {args.num_experts}")
+    if not args.is_moe and dims.ep > 1:
+        raise ParallelLayoutError(f"ep={dims.ep} needs a MoE model, this {args.model_type} model is dense; use ep=1")
     chunks = dims.pp * dims.num_model_chunks
     if args.num_layers % chunks != 0:
         raise ParallelLayoutError(
@@ -62,6 +68,7 @@ def build_transformer_config(args: HFModelArgs, dims: ParallelDims, *, dtype: to
     kwargs.update(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
+        expert_model_parallel_size=dims.ep,
         virtual_pipeline_model_parallel_size=dims.vpp,
         sequence_parallel=False,  # megatron's local spec cannot build it; not supported here yet
         params_dtype=dtype,
@@ -73,7 +80,9 @@ def build_transformer_config(args: HFModelArgs, dims: ParallelDims, *, dtype: to
         # the interleaved schedule: at pp=2 its shape exchange pairs the two directions' messages wrongly
         # (one batch_isend_irecv to the same peer both ways), so there micro-batches must share one shape.
         variable_seq_lengths=dims.vpp is None,
-        moe_token_dispatcher_type="alltoall",  # dense model; only satisfies a check tied to variable_seq_lengths
+        # MoE models use the all-to-all dispatcher (hf_config.moe_config_kwargs); for dense ones the key only
+        # satisfies a check tied to variable_seq_lengths
+        moe_token_dispatcher_type="alltoall",
         # gloo: batched isend/irecv in the interleaved schedule gave silently wrong activations.
         batch_p2p_comm=dims.backend != "gloo",
     )
@@ -96,13 +105,14 @@ def build_gpt_model(hf: HFModelArgs | str | Path, dims: ParallelDims, *, role: R
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     args = hf if isinstance(hf, HFModelArgs) else read_hf_config(hf)
     config = build_transformer_config(args, dims, dtype=dtype, **config_overrides)
-    spec = gpt_layer_spec(transformer_impl)
     vocab = padded_vocab_size(args.vocab_size, dims.tp, make_vocab_size_divisible_by)
     tie = args.tie_word_embeddings and role != "critic"
 
     chunks: list[nn.Module] = []
     for vp_stage in range(dims.num_model_chunks):
         vp = vp_stage if dims.vpp else None
+        spec = gpt_decoder_spec(config, transformer_impl, num_experts=args.num_experts, moe_layers=args.moe_layers,
+                                qk_layernorm=args.qk_layernorm, vp_stage=vp)
         model = GPTModel(
             config=config, transformer_layer_spec=spec, vocab_size=vocab,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),

@@ -1,10 +1,12 @@
 """`mppo convert`: HF safetensors <-> megatron dist checkpoints.
 
-    mppo convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N] [--dtype auto|float32|bfloat16|float16]
-    mppo convert mcore-to-hf --ckpt DIR --out DIR [--tp N --pp N] [--dtype ...]
+    mppo convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N --ep N] [--dtype auto|float32|bfloat16|float16]
+    mppo convert mcore-to-hf --ckpt DIR --out DIR [--tp N --pp N --ep N] [--dtype ...]
 
-One process (tp = pp = 1), or under torchrun with a world size that is a multiple of TP x PP. The output
-directory is written atomically. Also runnable as `python -m mppo.models.convert ...`.
+One process (tp = pp = ep = 1), or under torchrun with a world size that is a multiple of TP x PP x EP (EP, the
+expert parallel size of a MoE model, splits its experts over data-parallel ranks). A checkpoint written at one
+TP x PP x EP loads at any other. The output directory is written atomically. Also runnable as
+`python -m mppo.models.convert ...`.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--out", required=True, type=Path, help="output directory (must not exist)")
         p.add_argument("--tp", type=int, default=1, help="tensor parallel size used for the conversion")
         p.add_argument("--pp", type=int, default=1, help="pipeline parallel size used for the conversion")
+        p.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE models) used for the conversion")
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="parameter dtype (auto: the dtype in config.json, else float32)")
         p.add_argument("--transformer-impl", default="auto", choices=TRANSFORMER_IMPLS)
@@ -49,22 +52,22 @@ def _dtype(choice: str, args: HFModelArgs) -> torch.dtype:
     return hf_dtype(args) or torch.float32
 
 
-def hf_to_mcore(hf_dir: Path, out: Path, *, tp: int, pp: int, dtype: str = "auto",
+def hf_to_mcore(hf_dir: Path, out: Path, *, tp: int, pp: int, ep: int = 1, dtype: str = "auto",
                 transformer_impl: str = "auto", overwrite: bool = False) -> None:
-    """Read an HF model into TP x PP shards and save it as an mppo model checkpoint (collective)."""
+    """Read an HF model into TP x PP (x EP) shards and save it as an mppo model checkpoint (collective)."""
     args = read_hf_config(hf_dir)
-    dims = init_distributed(tp, pp)
+    dims = init_distributed(tp, pp, ep=ep)
     chunks = build_gpt_model(args, dims, dtype=_dtype(dtype, args), transformer_impl=transformer_impl)
     load_hf_weights(chunks, hf_dir, args)
     save_model_checkpoint(chunks, out, args, tokenizer_dir=hf_dir, overwrite=overwrite)
 
 
-def mcore_to_hf(ckpt: Path, out: Path, *, tp: int, pp: int, dtype: str = "auto",
+def mcore_to_hf(ckpt: Path, out: Path, *, tp: int, pp: int, ep: int = 1, dtype: str = "auto",
                 transformer_impl: str = "auto", overwrite: bool = False) -> None:
-    """Load an mppo model checkpoint at TP x PP and write HF safetensors + config + tokenizer (collective)."""
+    """Load an mppo model checkpoint at TP x PP (x EP) and write HF safetensors + config + tokenizer (collective)."""
     hf_meta = checkpoint_hf_dir(ckpt)
     args = read_hf_config(hf_meta)
-    dims = init_distributed(tp, pp)
+    dims = init_distributed(tp, pp, ep=ep)
     torch_dtype = _dtype(dtype, args)
     chunks = build_gpt_model(args, dims, dtype=torch_dtype, transformer_impl=transformer_impl)
     load_model_checkpoint(chunks, ckpt)
@@ -76,7 +79,7 @@ def mcore_to_hf(ckpt: Path, out: Path, *, tp: int, pp: int, dtype: str = "auto",
 def main(argv: list[str] | None = None) -> int:
     opts = _parser().parse_args(argv)
     owns_process_group = not dist.is_initialized()
-    kwargs = dict(tp=opts.tp, pp=opts.pp, dtype=opts.dtype, transformer_impl=opts.transformer_impl,
+    kwargs = dict(tp=opts.tp, pp=opts.pp, ep=opts.ep, dtype=opts.dtype, transformer_impl=opts.transformer_impl,
                   overwrite=opts.overwrite)
     rank0 = True
     try:

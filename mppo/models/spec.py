@@ -11,12 +11,13 @@ attention, or megatron-core's local layers as they are.
 
 Each implementation is a builder in `SPEC_BUILDERS` taking the options of megatron's spec functions
 (`get_gpt_layer_local_spec` / `get_gpt_layer_with_transformer_engine_spec`: e.g. num_experts, qk_layernorm), so a
-new architecture option is one keyword passed through `gpt_layer_spec`.
+new architecture option is one keyword passed through `gpt_layer_spec`. `gpt_decoder_spec` gives a decoder whose
+layers differ (MoE layers beside dense ones, as in Qwen3-MoE's `mlp_only_layers`) one spec per layer of a stage.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 
@@ -93,3 +94,22 @@ def gpt_layer_spec(transformer_impl: TransformerImpl = "auto", **options: Any):
     """megatron's GPT layer ModuleSpec for an RMSNorm/SwiGLU decoder layer. `options` go to megatron's spec
     function (num_experts, qk_layernorm, ...)."""
     return SPEC_BUILDERS[resolve_transformer_impl(transformer_impl)](**options)
+
+
+def gpt_decoder_spec(config, transformer_impl: TransformerImpl = "auto", *, num_experts: int | None = None,
+                     moe_layers: Sequence[int] = (), vp_stage: int | None = None, **options: Any):
+    """The `transformer_layer_spec` for GPTModel: one layer spec when every layer is alike (dense, or MoE
+    everywhere), else the block of this pipeline stage's (and virtual stage's) layers, each a MoE layer when its
+    0-based global index is in `moe_layers`, with the final norm megatron gives a block built from one spec."""
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if num_experts is None or len(moe_layers) == config.num_layers:
+        return gpt_layer_spec(transformer_impl, num_experts=num_experts, **options)
+    dense = gpt_layer_spec(transformer_impl, **options)
+    moe = gpt_layer_spec(transformer_impl, num_experts=num_experts, **options)
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    layers = range(first, first + get_num_layers_to_build(config, vp_stage=vp_stage))
+    return TransformerBlockSubmodules(layer_specs=[moe if i in moe_layers else dense for i in layers],
+                                      layer_norm=transformer_block.LayerNormImpl)

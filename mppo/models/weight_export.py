@@ -1,7 +1,10 @@
 """Megatron -> HF export: full HF tensors for the destination ranks, by collectives or by shared-memory staging.
 
-Every rank of a model-parallel group (the TP x PP ranks of one DP replica) runs `iter_hf_weights` to its end; the
-destinations get `(hf_name, tensor)` pairs in HF order, the other ranks an empty stream. The layout mapping is
+Every rank of an export group runs `iter_hf_weights` to its end; the destinations get `(hf_name, tensor)` pairs in
+HF order, the other ranks an empty stream. The export group is the model-parallel group (the TP x PP ranks of one
+DP replica); with expert parallelism (EP > 1) it is the EP such groups that together hold every expert (megatron's
+expert-tensor-model-pipeline group): each EP replica serves its dense weights itself, a routed expert's weights
+come from the one EP rank that holds them. The layout mapping is
 mppo.models.weight_rules (`place_shard` un-fuses a TP shard into its places in the HF tensors), the host-local
 transport is mppo.models.weight_transport.
 
@@ -40,18 +43,29 @@ TRANSPORTS = ("auto", "collective", "shared_memory")
 
 @dataclass(frozen=True)
 class _Entry:
-    """One megatron parameter in the export plan (identical on every rank of the model-parallel group)."""
+    """One megatron parameter in the export plan (identical on every rank of the export group)."""
 
-    order: tuple[int, int, int]
+    order: tuple[int, int, int, int]
     stage: int  # the pipeline stage that owns it
     hf_names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtype: str
+    expert_rank: int | None = None  # a routed expert's: the EP rank holding it; None: every EP rank holds it
+
+
+def export_group() -> dist.ProcessGroup:
+    """The group `iter_hf_weights` is collective over: the model-parallel group, or with EP > 1 the group of the EP
+    model-parallel groups that share one set of experts."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_expert_model_parallel_world_size() > 1:
+        return ps.get_expert_tensor_model_pipeline_parallel_group()
+    return ps.get_model_parallel_group()
 
 
 @dataclass(frozen=True)
 class _Group:
-    """The model-parallel group as the export sees it."""
+    """The export group as the export sees it."""
 
     group: dist.ProcessGroup
     ranks: tuple[int, ...]  # global ranks, in group order
@@ -62,16 +76,23 @@ class _Group:
     pp_rank: int
     pp: int
     pp_group: dist.ProcessGroup
+    ep_rank: int
+    ep: int
+    expert_tp_group: dist.ProcessGroup  # shards routed experts; the same ranks as tp_group (expert-TP = TP)
 
     @classmethod
     def current(cls) -> _Group:
         from megatron.core import parallel_state as ps
 
         tp_rank, tp, tp_group = tp_layout()
-        group = ps.get_model_parallel_group()
+        expert_tp_rank, expert_tp, expert_tp_group = tp_layout(expert=True)
+        if (expert_tp_rank, expert_tp) != (tp_rank, tp):
+            raise ValueError(f"the exporter needs expert-TP = TP, got expert-TP {expert_tp} and TP {tp}")
+        group = export_group()
         return cls(group, tuple(dist.get_process_group_ranks(group)), dist.get_rank(), tp_rank, tp, tp_group,
                    ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
-                   ps.get_pipeline_model_parallel_group())
+                   ps.get_pipeline_model_parallel_group(), ps.get_expert_model_parallel_rank(),
+                   ps.get_expert_model_parallel_world_size(), expert_tp_group)
 
 
 @dataclass(frozen=True)
@@ -81,7 +102,7 @@ class _Exchange:
     ident: int  # digest of everything gathered
     digests: tuple[int, ...]  # every rank's plan digest, in group order
     plan: tuple[_Entry, ...]  # sorted in HF order
-    place: dict[tuple[int, int], int]  # (pp_rank, tp_rank) -> global rank
+    place: dict[tuple[int, int, int], int]  # (pp_rank, ep_rank, tp_rank) -> global rank
     one_host: bool
 
 
@@ -111,16 +132,18 @@ def iter_hf_weights(model_chunks: Sequence[nn.Module], args: HFModelArgs, *, dty
                     transport: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, full_tensor)` in HF order on every destination rank; other ranks get an empty stream.
 
-    Collective over each model-parallel group: every rank must run the generator to its end, destination or not,
-    since the others send or write their shards from inside it. `destinations`: global ranks that receive the
-    stream; None means every rank (`mppo convert`, checkpoints). A rank serves only the destinations inside its own
-    model-parallel group (they must be the same on every rank of it), and a group without one does nothing, so the
-    rollout sync passes the engine ranks. Tensors are in `dtype` if given, else the parameter dtype.
+    Collective over each export group (`export_group`: the model-parallel group, with EP the EP such groups that
+    share one set of experts): every rank must run the generator to its end, destination or not, since the others
+    send or write their shards from inside it. `destinations`: global ranks that receive the stream; None means
+    every rank (`mppo convert`, checkpoints). A rank serves only the destinations inside its own export group (they
+    must be the same on every rank of it), and a group without one does nothing, so the rollout sync passes the
+    engine ranks. Tensors are in `dtype` if given, else the parameter dtype.
 
     `transport`:
     - "collective": TP shards are gathered onto the destinations' TP indices on the owning stage (gather for one
       index, all-gather for several), un-fused there, and sent over PP (one broadcast when every rank of a PP group
-      is a destination, point-to-point otherwise). Any backend, and the path on GPUs (nccl), where the rollout
+      is a destination, point-to-point otherwise); a routed expert's tensors go point-to-point from its EP rank to
+      the destinations of the other EP ranks. Any backend, and the path on GPUs (nccl), where the rollout
       transport proper is CUDA IPC into SGLang. Yields fresh tensors, one parameter's worth at a time.
     - "shared_memory": every rank writes its shards, un-fused, straight into each destination's persistent
       shared-memory buffer; the destination yields views of it (mppo.models.weight_transport). gloo on one host only.
@@ -136,7 +159,7 @@ def iter_hf_weights(model_chunks: Sequence[nn.Module], args: HFModelArgs, *, dty
     targets = _targets(destinations, group)
     if not targets:
         return
-    local: dict[tuple[int, int, int], tuple[WeightRule, torch.Tensor]] = {}
+    local: dict[tuple[int, int, int, int], tuple[WeightRule, torch.Tensor]] = {}
     mine = []
     for chunk in model_chunks:
         model = unwrap_model(chunk)
@@ -145,9 +168,12 @@ def iter_hf_weights(model_chunks: Sequence[nn.Module], args: HFModelArgs, *, dty
             if rule is None:
                 continue
             local[rule.order] = (rule, param)
+            if not rule.expert and group.ep_rank > 0:
+                continue  # every EP replica holds it: the plan takes EP rank 0's
             shapes = full_shapes(rule, param.shape, args, group.tp)
             mine.append(_Entry(rule.order, group.pp_rank, rule.hf_names, shapes,
-                               str(dtype or param.dtype).removeprefix("torch.")))
+                               str(dtype or param.dtype).removeprefix("torch."),
+                               group.ep_rank if rule.expert else None))
     owner = model_chunks[0]  # the key of this model's cached exchange and staging buffers
     exchange, staging_digests = _handshake(group, mine, targets, transport, owner)
     backend = dist.get_backend(group.group)
@@ -170,7 +196,7 @@ def _handshake(group: _Group, mine: list[_Entry], targets: tuple[int, ...], tran
     """The group's plan and layout: from the last full exchange when every rank still agrees with it, else from a
     new one. Also returns every rank's staging digest (weight_transport.state_digest)."""
     key = (group.ranks, transport)
-    digest = _digest((mine, targets, group.pp_rank, group.tp_rank))
+    digest = _digest((mine, targets, group.pp_rank, group.ep_rank, group.tp_rank))
     cached = _EXCHANGES.get(owner, {}).get(key)
     local = torch.tensor([digest, cached.ident if cached else 0,
                           weight_transport.state_digest(owner, group.ranks, targets)], dtype=torch.int64,
@@ -182,7 +208,7 @@ def _handshake(group: _Group, mine: list[_Entry], targets: tuple[int, ...], tran
     if cached is not None and set(idents) == {cached.ident} and digests == cached.digests:
         return cached, list(staging)
 
-    info = {"plan": mine if group.tp_rank == 0 else [], "place": (group.pp_rank, group.tp_rank),
+    info = {"plan": mine if group.tp_rank == 0 else [], "place": (group.pp_rank, group.ep_rank, group.tp_rank),
             "host": socket.gethostname(), "targets": targets}
     infos: list = [None] * len(group.ranks)
     dist.all_gather_object(infos, info, group=group.group)
@@ -203,6 +229,8 @@ def _staged_export(local, plan: Sequence[_Entry], group: _Group, buffers, args: 
     # microseconds of Python to each of the loop's hundreds of tensor calls and only ever rewrite CUDA arguments.
     with torch.no_grad(), torch._C.DisableTorchFunction():
         for rule, param in local.values():
+            if not rule.expert and group.ep_rank > 0:
+                continue  # the same values as EP rank 0's, which writes them
             if param.device.type != "cpu":
                 raise ValueError(f"the shared-memory transport stages CPU tensors; {rule.hf_names[0]} is on "
                                  f"{param.device}: use transport='collective'")
@@ -217,39 +245,34 @@ def _staged_export(local, plan: Sequence[_Entry], group: _Group, buffers, args: 
 
 
 def _collective_export(local, exchange: _Exchange, group: _Group, targets: tuple[int, ...], args: HFModelArgs):
-    """TP gather (or all-gather) onto the needed TP indices of the owning stage, un-fuse, send over PP."""
+    """TP gather (or all-gather) onto the needed TP indices of the owning stage, un-fuse, send over PP; a routed
+    expert's tensors from its EP rank to the destinations of every EP replica."""
     device = next(iter(local.values()))[1].device
     place = exchange.place
-    target_tp = sorted({tp_rank for (_, tp_rank), r in place.items() if r in targets})
+    target_tp = sorted({tp_rank for (_, _, tp_rank), r in place.items() if r in targets})
     pp_ranks = dist.get_process_group_ranks(group.pp_group)
     pp_all_targets = all(r in targets for r in pp_ranks)  # then one broadcast reaches all of them
     for entry in exchange.plan:
         out_dtype = getattr(torch, entry.dtype)
+        # dense weights: each EP replica serves its own destinations; experts: the EP rank that holds them
+        owner_ep = group.ep_rank if entry.expert_rank is None else entry.expert_rank
         full = None
-        if group.pp_rank == entry.stage:
+        if (group.pp_rank, group.ep_rank) == (entry.stage, owner_ep):
             rule, param = local[entry.order]
-            shard = param.detach().contiguous()
-            if group.tp == 1:
-                shards = [shard]
-            elif len(target_tp) == 1:
-                root = place[entry.stage, target_tp[0]]
-                shards = [torch.empty_like(shard) for _ in range(group.tp)] if group.rank == root else None
-                dist.gather(shard, shards, dst=root, group=group.tp_group)
-            else:
-                shards = [torch.empty_like(shard) for _ in range(group.tp)]
-                dist.all_gather(shards, shard, group=group.tp_group)
-            if group.tp_rank in target_tp:
-                full = [torch.empty(shape, dtype=out_dtype, device=device) for shape in entry.shapes]
-                with torch.no_grad():
-                    for tp_rank, part in enumerate(shards):
-                        place_shard(rule, part, full, args, tp_rank, group.tp)
-        if group.pp > 1 and group.tp_rank in target_tp:
-            src = place[entry.stage, group.tp_rank]
-            receivers = [r for r in pp_ranks if r in targets and r != src]
+            full = _gather_and_unfuse(rule, param, entry, group, target_tp, place, out_dtype, device, args)
+        if group.tp_rank in target_tp and (group.pp > 1 or entry.expert_rank is not None):
+            src = place[entry.stage, owner_ep, group.tp_rank]
+            if entry.expert_rank is None:  # within this EP replica: its PP group
+                receivers = [r for r in pp_ranks if r in targets and r != src]
+                broadcast = pp_all_targets
+            else:  # the same TP index of every stage and EP rank
+                receivers = [r for (_, _, tp_rank), r in sorted(place.items())
+                             if tp_rank == group.tp_rank and r in targets and r != src]
+                broadcast = False
             if full is None and group.rank in receivers:
                 full = [torch.empty(shape, dtype=out_dtype, device=device) for shape in entry.shapes]
-            for tensor in full or []:
-                if pp_all_targets:
+            for tensor in full if (group.rank == src or group.rank in receivers) else []:
+                if broadcast:
                     dist.broadcast(tensor, src=src, group=group.pp_group)
                 elif group.rank == src:
                     for receiver in receivers:
@@ -260,4 +283,27 @@ def _collective_export(local, exchange: _Exchange, group: _Group, targets: tuple
             yield from zip(entry.hf_names, full)
 
 
-__all__ = ["TRANSPORTS", "iter_hf_weights"]
+def _gather_and_unfuse(rule, param, entry: _Entry, group: _Group, target_tp: list[int], place, out_dtype, device,
+                       args: HFModelArgs) -> list[torch.Tensor] | None:
+    """On the owning ranks: the full HF tensors of one parameter on the target TP indices (None elsewhere)."""
+    tp_group = group.expert_tp_group if rule.expert else group.tp_group
+    shard = param.detach().contiguous()
+    if group.tp == 1:
+        shards = [shard]
+    elif len(target_tp) == 1:
+        root = place[entry.stage, group.ep_rank, target_tp[0]]
+        shards = [torch.empty_like(shard) for _ in range(group.tp)] if group.rank == root else None
+        dist.gather(shard, shards, dst=root, group=tp_group)
+    else:
+        shards = [torch.empty_like(shard) for _ in range(group.tp)]
+        dist.all_gather(shards, shard, group=tp_group)
+    if group.tp_rank not in target_tp:
+        return None
+    full = [torch.empty(shape, dtype=out_dtype, device=device) for shape in entry.shapes]
+    with torch.no_grad():
+        for tp_rank, part in enumerate(shards):
+            place_shard(rule, part, full, args, tp_rank, group.tp)
+    return full
+
+
+__all__ = ["TRANSPORTS", "export_group", "iter_hf_weights"]

@@ -1,12 +1,17 @@
 """How megatron parameters map to HF tensors: naming, TP sharding and fusing, in both directions.
 
-Layout differences handled here (megatron-core names, HF Qwen2/Llama names):
+Layout differences handled here (megatron-core names, HF Qwen2/Llama/Qwen3/Qwen3-MoE names):
 - linear_qkv = per key/value group g: [q heads of g; k_g; v_g]; TP splits whole groups.
 - linear_fc1 = [gate; up], and TP splits gate and up separately: rank r holds [gate_r; up_r].
 - linear_proj / linear_fc2 are row-parallel (TP splits the input dimension); norms are replicated.
 - embedding / output layer hold the padded vocabulary (mppo.models.vocab), split by rows over TP.
 - Transformer Engine fuses the input norms into linear_qkv / linear_fc1 (`layer_norm_weight`); both namings map.
 - critic: output_layer.{weight,bias} <-> HF `score.{weight,bias}` (AutoModelForTokenClassification, 1 label).
+- Qwen3: q_layernorm / k_layernorm (over head_dim, replicated) <-> self_attn.q_norm / k_norm.
+- MoE layers: the router (replicated, also over EP) <-> mlp.gate; local expert i of a rank holds global expert
+  `mlp.local_expert_indices[i]` (EP rank x experts per rank + i), its linear_fc1 / linear_fc2 sharded like a dense
+  MLP's but over the expert-TP group, <-> mlp.experts.{e}.gate_proj / up_proj / down_proj. `WeightRule.expert`
+  marks them: they live on one EP rank only, every other parameter on every EP rank.
 
 `read_shard` cuts one TP rank's shard out of the HF tensors (loading); `place_shard` writes a shard back into its
 places in the full HF tensors (exporting). They are each other's inverse, and the only place the layout lives.
@@ -41,13 +46,23 @@ _LAYER_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "self_attention.linear_qkv.bias": (
         "qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")),
     "self_attention.linear_proj.weight": ("row", ("self_attn.o_proj.weight",)),
+    "self_attention.q_layernorm.weight": ("replicated", ("self_attn.q_norm.weight",)),
+    "self_attention.k_layernorm.weight": ("replicated", ("self_attn.k_norm.weight",)),
     "pre_mlp_layernorm.weight": ("replicated", ("post_attention_layernorm.weight",)),
     "mlp.linear_fc1.layer_norm_weight": ("replicated", ("post_attention_layernorm.weight",)),
     "mlp.linear_fc1.weight": ("fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": ("row", ("mlp.down_proj.weight",)),
+    "mlp.router.weight": ("replicated", ("mlp.gate.weight",)),
 }
-_LAYER_ORDER = {suffix: i for i, suffix in enumerate(_LAYER_RULES)}
+# one routed expert's weights: megatron suffix after mlp.experts.local_experts.{i}. -> (kind, HF suffixes after
+# mlp.experts.{global expert}.)
+_EXPERT_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "linear_fc1.weight": ("fc1", ("gate_proj.weight", "up_proj.weight")),
+    "linear_fc2.weight": ("row", ("down_proj.weight",)),
+}
+_LAYER_ORDER = {suffix: i for i, suffix in enumerate([*_LAYER_RULES, *_EXPERT_RULES])}
 _LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT_RE = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 
 
 @dataclass(frozen=True)
@@ -56,7 +71,8 @@ class WeightRule:
 
     kind: str  # replicated | vocab | row | qkv | fc1
     hf_names: tuple[str, ...]
-    order: tuple[int, int, int]
+    order: tuple[int, int, int, int]  # (part, layer, weight in the layer, global expert or -1)
+    expert: bool = False  # a routed expert's weight: sharded over expert-TP, held by one EP rank
 
 
 def weight_rule(model: nn.Module, name: str) -> WeightRule | None:
@@ -66,27 +82,40 @@ def weight_rule(model: nn.Module, name: str) -> WeightRule | None:
     """
     tied = getattr(model, "share_embeddings_and_output_weights", False)
     if name == "embedding.word_embeddings.weight":
-        return WeightRule("vocab", ("model.embed_tokens.weight",), (0, 0, 0))
+        return WeightRule("vocab", ("model.embed_tokens.weight",), (0, 0, 0, -1))
     if name == "decoder.final_layernorm.weight":
-        return WeightRule("replicated", ("model.norm.weight",), (2, 0, 0))
+        return WeightRule("replicated", ("model.norm.weight",), (2, 0, 0, -1))
     if isinstance(getattr(model, "output_layer", None), ValueHead):
         if name in ("output_layer.weight", "output_layer.bias"):
-            return WeightRule("replicated", ("score." + name.split(".")[-1],), (3, 0, int(name.endswith("bias"))))
+            return WeightRule("replicated", ("score." + name.split(".")[-1],),
+                              (3, 0, int(name.endswith("bias")), -1))
     if name == "output_layer.weight":
-        return None if tied else WeightRule("vocab", ("lm_head.weight",), (3, 0, 0))
+        return None if tied else WeightRule("vocab", ("lm_head.weight",), (3, 0, 0, -1))
     match = _LAYER_RE.fullmatch(name)
-    if match and match.group(2) in _LAYER_RULES:
-        layer = model.decoder.layers[int(match.group(1))].layer_number - 1
-        kind, suffixes = _LAYER_RULES[match.group(2)]
-        return WeightRule(kind, tuple(f"model.layers.{layer}.{s}" for s in suffixes),
-                          (1, layer, _LAYER_ORDER[match.group(2)]))
+    if match:
+        module = model.decoder.layers[int(match.group(1))]
+        layer, suffix = module.layer_number - 1, match.group(2)
+        if suffix in _LAYER_RULES:
+            kind, suffixes = _LAYER_RULES[suffix]
+            return WeightRule(kind, tuple(f"model.layers.{layer}.{s}" for s in suffixes),
+                              (1, layer, _LAYER_ORDER[suffix], -1))
+        expert = _EXPERT_RE.fullmatch(suffix)
+        if expert and expert.group(2) in _EXPERT_RULES:
+            index = module.mlp.local_expert_indices[int(expert.group(1))]
+            kind, suffixes = _EXPERT_RULES[expert.group(2)]
+            return WeightRule(kind, tuple(f"model.layers.{layer}.mlp.experts.{index}.{s}" for s in suffixes),
+                              (1, layer, _LAYER_ORDER[expert.group(2)], index), expert=True)
     raise KeyError(f"no HF mapping for megatron parameter {name!r}")
 
 
-def tp_layout() -> tuple[int, int, dist.ProcessGroup]:
-    """(TP rank, TP size, TP group) of this rank, from megatron's parallel state."""
+def tp_layout(expert: bool = False) -> tuple[int, int, dist.ProcessGroup]:
+    """(TP rank, TP size, TP group) of this rank, from megatron's parallel state; with `expert`, those of the
+    expert-tensor-parallel group that shards routed experts (mppo builds it equal to TP)."""
     from megatron.core import parallel_state as ps
 
+    if expert:
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(), \
+            ps.get_expert_tensor_parallel_group()
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), \
         ps.get_tensor_model_parallel_group()
 

@@ -2,7 +2,8 @@
 
 The layout mapping (names, TP sharding, fused QKV / gate-up, vocabulary padding) is mppo.models.weight_rules.
 
-HF -> Megatron (`load_hf_weights`) reads only this rank's slices from the safetensors files, tensor by tensor.
+HF -> Megatron (`load_hf_weights`) reads only this rank's slices from the safetensors files, tensor by tensor (of
+a MoE model only the experts of this rank's EP index).
 Megatron -> HF (`iter_hf_weights`, from mppo.models.weight_export) yields full HF tensors on the destination ranks,
 by collectives (any backend) or, for gloo ranks on one host, through shared-memory staging
 (mppo.models.weight_transport).
@@ -75,7 +76,7 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], hf_dir: str | Path, args:
     A tied output layer on the last stage (PP > 1) loads the embedding. A critic's value head loads HF
     `score.weight`/`score.bias` when present (a critic checkpoint) and otherwise keeps its zero initialisation.
     """
-    tp_rank, tp, _ = tp_layout()
+    layouts = {expert: tp_layout(expert)[:2] for expert in (False, True)}
     ckpt = SafetensorsCheckpoint(hf_dir)
     try:
         with torch.no_grad():
@@ -84,9 +85,10 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], hf_dir: str | Path, args:
                 for name, param in model.named_parameters():
                     rule = weight_rule(model, name)
                     if rule is None:  # tied output layer on the last stage: a copy of the embedding
-                        rule = WeightRule("vocab", ("model.embed_tokens.weight",), (3, 0, 0))
+                        rule = WeightRule("vocab", ("model.embed_tokens.weight",), (3, 0, 0, -1))
                     if rule.hf_names[0].startswith("score.") and rule.hf_names[0] not in ckpt:
                         continue
+                    tp_rank, tp = layouts[rule.expert]
                     shard = read_shard(ckpt, rule, args, param, tp_rank, tp)
                     if tuple(shard.shape) != tuple(param.shape):
                         raise ValueError(

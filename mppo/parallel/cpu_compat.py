@@ -1,8 +1,9 @@
-"""Run megatron-core 0.16.1 on a machine without CUDA (gloo, CPU tensors).
+"""Run megatron-core 0.16.1 on a machine without CUDA (gloo, CPU tensors), and so without Transformer Engine.
 
 megatron-core assumes CUDA in a few dozen places. Every one of them falls into one of the patches below; each
-patch lists the call sites it serves. `install()` applies them all, and only when `torch.cuda.is_available()` is
-False: on a GPU machine nothing here runs. `mppo.parallel.init_distributed` calls it.
+patch lists the call sites it serves. `install()` applies those whose condition holds: the CUDA patches only when
+`torch.cuda.is_available()` is False (on a GPU machine they never run), the one Transformer Engine patch whenever
+TE does not import (any CPU machine; a GPU machine without TE). `mppo.parallel.init_distributed` calls it.
 
 A megatron-core upgrade may make a patch unnecessary. `PATCHES` names them so that a test can take each one out
 (`without(name)`), run the code it serves and expect that code to fail: a patch that is no longer needed shows up
@@ -31,6 +32,7 @@ class CpuPatch:
     name: str
     call_sites: tuple[str, ...]
     apply: Callable[[], Undo]
+    applies: Callable[[], bool] = lambda: not torch.cuda.is_available()  # whether this machine needs it
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -171,6 +173,111 @@ def _apply_cpu_rng_tracker() -> Undo:
     return undo
 
 
+class _InertEvent:
+    """A CUDA event stand-in: on CPU every operation has completed when it returns."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _InertStream:
+    """A CUDA stream stand-in: CPU ops run in program order, so waiting and recording are no-ops. A class, since
+    torch.cuda.Stream also appears in annotations (`torch.cuda.Stream | None` in transformers)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _InertEvent:
+        return _InertEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_CURRENT_STREAM = _InertStream()
+
+
+def _apply_cuda_streams() -> Undo:
+    undos = [_set_attr(torch.cuda, "Stream", _InertStream),
+             _set_attr(torch.cuda, "current_stream", lambda device=None: _CURRENT_STREAM),
+             _set_attr(torch.cuda, "stream", lambda stream=None: contextlib.nullcontext())]
+
+    def undo() -> None:
+        for one in reversed(undos):
+            one()
+
+    return undo
+
+
+def _apply_splits_as_numpy() -> Undo:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def move(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        # On CUDA the DtoH copy also turns the split sizes into numpy; a CPU tensor is "already there" and would be
+        # handed to all_to_all_single as a tensor, which gloo's binding rejects.
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return _set_attr(token_dispatcher, "maybe_move_tensor_to_cpu", move)
+
+
+def _apply_backward_device_mode() -> Undo:
+    """Run the backward of megatron's communication autograd Functions under the CUDA-to-CPU device mode."""
+    from megatron.core.tensor_parallel import mappings
+
+    originals = {}  # Function class -> its own `backward` entry (a staticmethod), put back by undo
+    for value in list(vars(mappings).values()):
+        if isinstance(value, type) and issubclass(value, torch.autograd.Function) and "backward" in vars(value):
+            originals[value] = vars(value)["backward"]
+
+            def backward(ctx, *grads, _original=originals[value].__func__):
+                with _CudaDeviceToCpuMode():
+                    return _original(ctx, *grads)
+
+            value.backward = staticmethod(backward)
+
+    def undo() -> None:
+        for cls, original in originals.items():
+            cls.backward = original
+
+    return undo
+
+
+def _transformer_engine_missing() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # ImportError, or OSError for missing CUDA libraries
+        return True
+    return False
+
+
+def _apply_te_general_gemm() -> Undo:
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        return lambda: None
+    moe_utils.te_general_gemm = None  # what "TE has no GEMM for this" means to its only reader
+    return lambda: delattr(moe_utils, "te_general_gemm")
+
+
 PATCHES: tuple[CpuPatch, ...] = (
     CpuPatch(
         "cuda_device_to_cpu",
@@ -215,6 +322,36 @@ PATCHES: tuple[CpuPatch, ...] = (
         ),
         _push_mode(_CudaTypeNameMode),
     ),
+    CpuPatch(
+        "cuda_streams",
+        (
+            "transformer/moe/token_dispatcher.py MoEAlltoAllTokenDispatcher.__init__: torch.cuda.Stream()",
+            "transformer/moe/token_dispatcher.py MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize: "
+            "current_stream(), stream(...), record_event(), event.synchronize()",
+        ),
+        _apply_cuda_streams,
+    ),
+    CpuPatch(
+        "backward_device_mode",
+        ("tensor_parallel/mappings.py _AllToAll.backward (MoE token dispatch): a custom autograd Function's backward "
+         "runs with no torch-function mode active, so its new_empty(device=torch.cuda.current_device()) reaches "
+         "torch unrewritten; the same holds for every backward in mappings.py",),
+        _apply_backward_device_mode,
+    ),
+    CpuPatch(
+        "splits_as_numpy",
+        ("transformer/moe/token_dispatcher.py MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize: "
+         "maybe_move_tensor_to_cpu(input_splits/output_splits, as_numpy=True) converts only CUDA tensors, so on CPU "
+         "the all-to-all split sizes reach all_to_all_single as tensors (TypeError in gloo's binding)",),
+        _apply_splits_as_numpy,
+    ),
+    CpuPatch(
+        "te_general_gemm",
+        ("transformer/moe/moe_utils.py RouterGatingLinearFunction.forward: reads te_general_gemm, which the module "
+         "defines only when Transformer Engine imports (NameError in every MoE router without TE)",),
+        _apply_te_general_gemm,
+        applies=_transformer_engine_missing,
+    ),
 )
 
 _PATCHES_BY_NAME = {p.name: p for p in PATCHES}
@@ -222,16 +359,14 @@ _undo: dict[str, Undo] = {}
 
 
 def needed() -> bool:
-    """True when megatron-core needs this layer: CUDA is absent."""
-    return not torch.cuda.is_available()
+    """True when megatron-core needs some patch here: CUDA or Transformer Engine is absent."""
+    return any(patch.applies() for patch in PATCHES)
 
 
 def install() -> None:
-    """Apply every patch (idempotent). Does nothing when CUDA is available."""
-    if not needed():
-        return
+    """Apply every patch this machine needs (idempotent). On a GPU machine with TE it does nothing."""
     for patch in PATCHES:
-        if patch.name not in _undo:
+        if patch.name not in _undo and patch.applies():
             _undo[patch.name] = patch.apply()
 
 

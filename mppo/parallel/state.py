@@ -1,8 +1,10 @@
 """Process groups: torch.distributed from the torchrun environment, then megatron's parallel_state.
 
 Every rank runs the same program (SPMD). The layout is TP x PP x DP with DP = world / (TP x PP), in megatron's
-default rank order (TP fastest, then DP, then PP). Without a torchrun environment the process runs alone as a
-world of one, which is what `mppo convert` and small scripts use.
+default rank order (TP fastest, then DP, then PP). Expert parallelism (EP, MoE models) splits each MoE layer's
+experts over EP ranks taken from the DP dimension: the experts' layout is expert-TP (= TP) x EP x expert-DP x PP
+with expert-DP = DP / EP, megatron's expert-model-parallel and expert-data-parallel groups. Without a torchrun
+environment the process runs alone as a world of one, which is what `mppo convert` and small scripts use.
 """
 from __future__ import annotations
 
@@ -42,6 +44,13 @@ class ParallelDims:
     dp_rank: int
     backend: str  # "nccl" or "gloo"
     device: torch.device  # where this rank's tensors live
+    ep: int = 1  # expert parallel size: ranks sharing one MoE layer's experts (a divisor of dp)
+    ep_rank: int = 0
+
+    @property
+    def expert_dp(self) -> int:
+        """Data-parallel replicas of each expert: DP / EP."""
+        return self.dp // self.ep
 
     @property
     def num_model_chunks(self) -> int:
@@ -59,6 +68,7 @@ class ParallelDims:
         return (f"rank {self.rank}/{self.world} on {socket.gethostname()} ({self.backend}, {self.device}): "
                 f"tp {self.tp_rank}/{self.tp} pp {self.pp_rank}/{self.pp} dp {self.dp_rank}/{self.dp}"
                 + (f" vpp {self.vpp}" if self.vpp else "")
+                + (f" ep {self.ep_rank}/{self.ep}" if self.ep > 1 else "")
                 # torchrun's node (group) and local rank: which node a rank is on when hostnames repeat
                 + f" node {os.environ.get('GROUP_RANK', '0')} local {os.environ.get('LOCAL_RANK', '0')}")
 
@@ -66,17 +76,23 @@ class ParallelDims:
 _dims: ParallelDims | None = None
 
 
-def check_layout(world: int, tp: int, pp: int, vpp: int | None = None) -> int:
+def check_layout(world: int, tp: int, pp: int, vpp: int | None = None, ep: int = 1) -> int:
     """Validate a layout against a world size and return DP; raises ParallelLayoutError with the fix."""
-    if tp < 1 or pp < 1:
-        raise ParallelLayoutError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ParallelLayoutError(f"tp, pp and ep must be >= 1, got tp={tp} pp={pp} ep={ep}")
     if world % (tp * pp) != 0:
         raise ParallelLayoutError(
             f"world size {world} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; launch a multiple of "
             f"{tp * pp} processes (torchrun --nproc_per_node ...) or change tp/pp")
     if vpp is not None and vpp > 1 and pp < 2:
         raise ParallelLayoutError(f"virtual pipeline (vpp={vpp}) needs pp >= 2, got pp={pp}; drop vpp or raise pp")
-    return world // (tp * pp)
+    dp = world // (tp * pp)
+    if dp % ep != 0:  # megatron: world % (expert-TP x EP x PP) with expert-TP = TP
+        raise ParallelLayoutError(
+            f"ep={ep} does not divide the data-parallel size {dp} (world {world} / (tp*pp = {tp * pp})): the experts "
+            f"are split over EP ranks taken from the data-parallel ones; pick ep from the divisors of {dp} or launch "
+            f"a multiple of {tp * pp * ep} processes")
+    return dp
 
 
 def _env_world() -> tuple[int, int, int]:
@@ -86,9 +102,10 @@ def _env_world() -> tuple[int, int, int]:
     return 0, 1, 0
 
 
-def init_distributed(tp: int = 1, pp: int = 1, vpp: int | None = None, *, timeout_s: float = 1800.0,
+def init_distributed(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: int = 1, timeout_s: float = 1800.0,
                      seed: int | None = 1234) -> ParallelDims:
-    """Start torch.distributed (once per process) and build megatron's TP/PP/DP groups.
+    """Start torch.distributed (once per process) and build megatron's TP/PP/DP groups (and with `ep` > 1 the
+    expert-model-parallel and expert-data-parallel groups).
 
     nccl with CUDA, gloo (plus the megatron CPU compatibility layer) without it. Calling it again after
     `destroy()` builds a new layout on the same process group. `seed` seeds Python, torch and megatron's
@@ -100,7 +117,7 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: int | None = None, *, timeou
     rank, world, local_rank = _env_world()
     if dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
-    dp = check_layout(world, tp, pp, vpp)  # before any group is made (and before megatron's slow import)
+    dp = check_layout(world, tp, pp, vpp, ep)  # before any group is made (and before megatron's slow import)
 
     from megatron.core import parallel_state
 
@@ -112,7 +129,7 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: int | None = None, *, timeou
         torch.cuda.set_device(device)
     else:
         backend, device = "gloo", torch.device("cpu")
-        cpu_compat.install()
+    cpu_compat.install()  # the CUDA patches without CUDA; the Transformer Engine one wherever TE is missing
 
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
@@ -123,13 +140,14 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: int | None = None, *, timeou
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
+        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)))
     _dims = ParallelDims(
         tp=tp, pp=pp, vpp=vpp, dp=dp, world=world, rank=rank,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-        dp_rank=parallel_state.get_data_parallel_rank(), backend=backend, device=device)
+        dp_rank=parallel_state.get_data_parallel_rank(), backend=backend, device=device,
+        ep=ep, ep_rank=parallel_state.get_expert_model_parallel_rank())
     log.info("parallel layout: %s", _dims.describe())
     if seed is not None:
         seed_everything(seed)

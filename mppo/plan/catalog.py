@@ -16,6 +16,10 @@ GiB = 1 << 30
 _QWEN2 = {"model_type": "qwen2", "hidden_act": "silu", "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
           "max_position_embeddings": 32768, "use_sliding_window": False, "torch_dtype": "bfloat16"}
 
+_QWEN3 = {"model_type": "qwen3", "hidden_act": "silu", "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+          "max_position_embeddings": 40960, "use_sliding_window": False, "torch_dtype": "bfloat16",
+          "head_dim": 128, "vocab_size": 151936, "attention_bias": False}
+
 # name -> config.json fields (public values; model_type decides QKV bias: qwen2 has it, llama does not)
 KNOWN_HF_CONFIGS: dict[str, dict[str, Any]] = {
     "Qwen2.5-0.5B": {**_QWEN2, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
@@ -37,6 +41,13 @@ KNOWN_HF_CONFIGS: dict[str, dict[str, Any]] = {
                    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                    "vocab_size": 128256, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
                    "max_position_embeddings": 8192, "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+    "Qwen3-0.6B": {**_QWEN3, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "tie_word_embeddings": True},
+    "Qwen3-30B-A3B": {**_QWEN3, "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                      "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                      "tie_word_embeddings": False, "num_experts": 128, "num_experts_per_tok": 8,
+                      "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                      "mlp_only_layers": []},
 }
 
 

@@ -6,6 +6,9 @@ Model state (what megatron-core allocates; a test compares these with a real CPU
              fp32 params have fp32 grads anyway). It stays whole with the distributed optimizer (ZeRO-1, not -2).
   optimizer  Adam exp_avg + exp_avg_sq in fp32, plus an fp32 master copy when params are 16-bit; divided over
              DP ranks by the distributed optimizer.
+MoE models (Qwen3-MoE): a MoE layer holds its router (replicated) and num_experts / EP experts of
+3 x hidden x moe_ffn_hidden_size each (split over TP like a dense MLP); the experts' optimizer state is divided
+over the expert-data-parallel ranks (DP / EP) by the distributed optimizer, the rest over DP.
 Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Table 2,
 the rows for tensor parallelism without sequence parallelism (mppo builds without it):
   none       s·b·h·(10 + 24/t + 5·a·s/(h·t))   selective  s·b·h·(10 + 24/t)   full  2·s·b·h per layer
@@ -52,6 +55,7 @@ class RoleLayout:
     micro_batches_per_step: int  # micro-batches per mini-batch on one DP rank (pipeline warm-up bound)
     trains: bool
     offloaded: bool  # weights live in host memory between uses (ref.offload_to_cpu)
+    ep: int = 1  # expert parallel size (MoE): each rank holds num_experts / ep experts of every MoE layer
 
 
 @dataclass(frozen=True)
@@ -68,12 +72,38 @@ class Precision:
 
 
 # ---------------------------------------------------------------------------------------------------- parameters
-def layer_params(a: HFModelArgs, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank (attention + SwiGLU MLP + two RMSNorms)."""
+def layer_params(a: HFModelArgs, tp: int, *, moe: bool = False, experts: int | None = None) -> int:
+    """Parameters of one transformer layer on one TP rank (attention + SwiGLU MLP + two RMSNorms, Qwen3's q/k
+    norms). `moe`: a MoE layer with `experts` of its experts (default all) and its router."""
     q, kv = a.num_attention_heads * a.head_dim, a.num_query_groups * a.head_dim
     qkv = a.hidden_size * (q + 2 * kv) + ((q + 2 * kv) if a.qkv_bias else 0)
-    sharded = qkv + q * a.hidden_size + 3 * a.hidden_size * a.ffn_hidden_size
-    return math.ceil(sharded / tp) + 2 * a.hidden_size
+    replicated = 2 * a.hidden_size + (2 * a.head_dim if a.qk_layernorm else 0)
+    if not moe:
+        sharded = qkv + q * a.hidden_size + 3 * a.hidden_size * a.ffn_hidden_size
+        return math.ceil(sharded / tp) + replicated
+    assert a.num_experts is not None and a.moe_ffn_hidden_size is not None
+    held = a.num_experts if experts is None else experts
+    sharded = qkv + q * a.hidden_size + held * 3 * a.hidden_size * a.moe_ffn_hidden_size
+    return math.ceil(sharded / tp) + replicated + a.num_experts * a.hidden_size
+
+
+def expert_params(a: HFModelArgs, tp: int, experts: int) -> int:
+    """Parameters of `experts` routed experts of one MoE layer on one TP rank."""
+    return math.ceil(experts * 3 * a.hidden_size * (a.moe_ffn_hidden_size or 0) / tp)
+
+
+def active_layer_params(a: HFModelArgs, layer: int) -> int:
+    """Parameters one token's matmuls use in `layer` (a MoE layer: its router and top-k experts)."""
+    if layer not in a.moe_layers:
+        return layer_params(a, 1)
+    return layer_params(a, 1, moe=True, experts=a.moe_topk)
+
+
+def stage_layers(a: HFModelArgs, lay: RoleLayout, stage: int) -> list[int]:
+    """Global layer indices held by pipeline stage `stage` (its virtual chunks: chunk v x pp + stage)."""
+    chunks = lay.pp * (lay.vpp or 1)
+    per_chunk = a.num_layers // chunks
+    return [c * per_chunk + i for c in range(stage, chunks, lay.pp) for i in range(per_chunk)]
 
 
 def embedding_params(a: HFModelArgs, tp: int) -> int:
@@ -85,6 +115,11 @@ def check_layout(a: HFModelArgs, lay: RoleLayout) -> None:
     if a.num_query_groups % lay.tp:
         raise PlanError(f"{lay.role}: TP={lay.tp} does not divide the model's {a.num_query_groups} key/value heads; "
                         f"choose a tensor_model_parallel_size that divides {a.num_query_groups}")
+    if a.is_moe and a.num_experts % lay.ep:
+        raise PlanError(f"{lay.role}: EP={lay.ep} does not divide the model's {a.num_experts} experts; choose an "
+                        f"expert_model_parallel_size that divides {a.num_experts}")
+    if not a.is_moe and lay.ep > 1:
+        raise PlanError(f"{lay.role}: EP={lay.ep} needs a MoE model; set expert_model_parallel_size=1")
     chunks = lay.pp * (lay.vpp or 1)
     if a.num_layers % chunks:
         raise PlanError(f"{lay.role}: {a.num_layers} layers do not split into PP x VPP = {chunks} equal chunks; "
@@ -93,7 +128,8 @@ def check_layout(a: HFModelArgs, lay: RoleLayout) -> None:
 
 def stage_params(a: HFModelArgs, lay: RoleLayout, stage: int) -> int:
     """Parameters held by a rank of pipeline stage `stage` (all its virtual chunks)."""
-    n = layer_params(a, lay.tp) * (a.num_layers // lay.pp)
+    local_experts = (a.num_experts or 0) // lay.ep
+    n = sum(layer_params(a, lay.tp, moe=i in a.moe_layers, experts=local_experts) for i in stage_layers(a, lay, stage))
     if stage == 0:
         n += embedding_params(a, lay.tp)
     if stage == lay.pp - 1:
@@ -108,7 +144,23 @@ def stage_params(a: HFModelArgs, lay: RoleLayout, stage: int) -> int:
 def total_params(a: HFModelArgs) -> int:
     """The HF model's parameter count (unpadded vocabulary, no sharding)."""
     emb = a.vocab_size * a.hidden_size
-    return layer_params(a, 1) * a.num_layers + a.hidden_size + emb * (1 if a.tie_word_embeddings else 2)
+    layers = sum(layer_params(a, 1, moe=i in a.moe_layers) for i in range(a.num_layers))
+    return layers + a.hidden_size + emb * (1 if a.tie_word_embeddings else 2)
+
+
+def stage_expert_params(a: HFModelArgs, lay: RoleLayout, stage: int) -> int:
+    """The routed-expert parameters among stage_params (sharded over expert-DP = DP / EP, not DP)."""
+    moe_layers = sum(i in a.moe_layers for i in stage_layers(a, lay, stage))
+    return moe_layers * expert_params(a, lay.tp, (a.num_experts or 0) // lay.ep)
+
+
+def all_to_all_bytes(a: HFModelArgs, tokens: float, ep: int, act_bytes: int) -> float:
+    """Bytes one rank sends in one forward over `tokens` tokens: per MoE layer the token dispatch and the combine
+    each move tokens x top-k hidden vectors, of which (EP - 1) / EP go to other ranks (uniform routing). A
+    backward moves as much again."""
+    if not a.is_moe or ep == 1:
+        return 0.0
+    return len(a.moe_layers) * 2 * tokens * a.moe_topk * a.hidden_size * act_bytes * (ep - 1) / ep
 
 
 @dataclass(frozen=True)
@@ -130,8 +182,11 @@ def model_state(a: HFModelArgs, lay: RoleLayout, prec: Precision, stage: int) ->
     weights = params * prec.param_bytes
     if not lay.trains:
         return ModelState(params, 0 if lay.offloaded else weights, weights if lay.offloaded else 0, 0, 0, 0)
-    opt = params * (prec.master_bytes + ADAM_MOMENTS * FP32)
-    sharded = math.ceil(opt / lay.dp) if lay.distributed_optimizer else opt
+    per_param = prec.master_bytes + ADAM_MOMENTS * FP32
+    opt = params * per_param
+    experts = stage_expert_params(a, lay, stage)
+    sharded = (math.ceil((params - experts) * per_param / lay.dp)
+               + math.ceil(experts * per_param / (lay.dp // lay.ep))) if lay.distributed_optimizer else opt
     return ModelState(params, weights, 0, params * prec.grad_bytes, sharded, opt)
 
 

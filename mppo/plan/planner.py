@@ -72,6 +72,16 @@ class RolloutPlan:
 
 
 @dataclass(frozen=True)
+class MoEPlan:
+    """The actor's routed experts on one rank (MoE models)."""
+
+    ep: int
+    experts_per_rank: int  # of every MoE layer
+    expert_params_per_rank: int  # routed-expert parameters on the reported stage
+    all_to_all_bytes_per_step: float  # token dispatch + combine sent by one rank in one step (all passes)
+
+
+@dataclass(frozen=True)
 class Suggestion:
     overrides: tuple[str, ...]  # key=value overrides to try
     why: str
@@ -98,6 +108,7 @@ class Plan:
     step: StepTime | None
     suggestions: list[Suggestion] = field(default_factory=list)
     source: str = ""  # the config file planned
+    moe: MoEPlan | None = None
 
     @property
     def resident(self) -> float:
@@ -158,7 +169,10 @@ def _layouts(cfg: MppoConfig, world: int, seq: int) -> list[mem.RoleLayout]:
         tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
         if world % (tp * pp):
             raise mem.PlanError(f"{MEGATRON[role]}: TP x PP = {tp * pp} does not divide the {world} GPUs")
-        dp = world // (tp * pp)
+        dp, ep = world // (tp * pp), m.expert_model_parallel_size
+        if dp % ep:
+            raise mem.PlanError(f"{MEGATRON[role]}: EP = {ep} does not divide DP = {dp}; choose an "
+                                "expert_model_parallel_size that divides the data-parallel size")
         if trains:
             budget = section.ppo_max_token_len_per_gpu / seq
             micro = budget if section.use_dynamic_bsz else section.ppo_micro_batch_size_per_gpu
@@ -172,7 +186,7 @@ def _layouts(cfg: MppoConfig, world: int, seq: int) -> list[mem.RoleLayout]:
             role=role, tp=tp, pp=pp, vpp=m.virtual_pipeline_model_parallel_size, dp=dp,
             distributed_optimizer=bool(m.use_distributed_optimizer), recompute=m.recompute, micro_batch=micro,
             forward_micro_batch=fwd, micro_batches_per_step=max(1, int(per_rank // max(micro or fwd, 1))),
-            trains=trains, offloaded=role == "ref" and arr.ref.offload_to_cpu))
+            trains=trains, offloaded=role == "ref" and arr.ref.offload_to_cpu, ep=ep))
     return out
 
 
@@ -266,13 +280,27 @@ def plan(cfg: MppoConfig, hf_args: HFModelArgs, device_memory_bytes: int | None 
     result = Plan(model=model_name or hf_args.model_type, params=mem.total_params(hf_args), device=spec, dtype=dtype,
                   attention="flash (Transformer Engine or SDPA)" if flash else "unfused (local spec)", world=world,
                   sequence_len=seq, roles=roles, runtime_reserve=reserve, training_phases=phases, logprob=logprob,
-                  rollout=rollout, step=step)
+                  rollout=rollout, step=step, moe=_moe(cfg, hf_args, layouts, roles, prec, seq))
     if suggest and not result.fits:
         from mppo.plan.knobs import suggestions  # knobs re-plans trial configs with this function
 
         result.suggestions = suggestions(cfg, hf_args, result, device=device, device_memory_bytes=device_memory_bytes,
                                          mfu=mfu)
     return result
+
+
+def _moe(cfg: MppoConfig, a: HFModelArgs, layouts: list[mem.RoleLayout], roles: list[RolePlan],
+         prec: mem.Precision, seq: int) -> MoEPlan | None:
+    """Experts per rank and the all-to-all traffic of one step: the old-log-prob and reference forwards once, each
+    update epoch forward and backward (the critic, a value model, is not counted)."""
+    if not a.is_moe:
+        return None
+    actor = layouts[0]
+    tokens = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n * seq / actor.dp
+    passes = 2 * cfg.actor_rollout_ref.actor.ppo_epochs + int(old_log_prob_pass(cfg)) + int(uses_ref(cfg))
+    stage = next(r.stage for r in roles if r.layout.role == "actor")
+    return MoEPlan(actor.ep, a.num_experts // actor.ep, mem.stage_expert_params(a, actor, stage),
+                   passes * mem.all_to_all_bytes(a, tokens, actor.ep, prec.act_bytes))
 
 
 def cpu_device(ranks_per_node: int) -> DeviceSpec:

@@ -33,7 +33,8 @@ def seconds(s: float) -> str:
 
 
 def layout_text(lay: RoleLayout) -> str:
-    text = f"TP{lay.tp} PP{lay.pp}" + (f" VPP{lay.vpp}" if lay.vpp else "") + f" DP{lay.dp}"
+    text = (f"TP{lay.tp} PP{lay.pp}" + (f" VPP{lay.vpp}" if lay.vpp else "") + f" DP{lay.dp}"
+            + (f" EP{lay.ep}" if lay.ep > 1 else ""))
     return text + (" (offloaded)" if lay.offloaded else "")
 
 
@@ -56,6 +57,10 @@ def render_text(p: Plan) -> str:
     add(f"mppo plan{': ' + p.source if p.source else ''}")
     unit = "GPU" if p.device.peak_flops else "rank"
     add(f"model    {p.model}: {count(p.params)} params, {p.dtype} weights, {p.attention} attention")
+    if p.moe is not None:
+        add(f"experts  EP{p.moe.ep}: {p.moe.experts_per_rank} experts of every MoE layer per rank "
+            f"({count(p.moe.expert_params_per_rank)} params); all-to-all {size(p.moe.all_to_all_bytes_per_step)} "
+            "sent per rank per step")
     add(f"device   {p.device.name}: {size(p.device.memory_bytes)} per {unit}; {p.world} {unit}s; sequences of "
         f"{p.sequence_len} tokens (prompt + response maximum)")
     add("layout   " + "; ".join(f"{r.layout.role} {layout_text(r.layout)}" for r in p.roles)

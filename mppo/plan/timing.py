@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from mppo.models.hf_config import HFModelArgs
 from mppo.models.vocab import padded_vocab_size
-from mppo.plan.memory import RoleLayout, layer_params
+from mppo.plan.memory import RoleLayout, active_layer_params
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,10 @@ class StepTime:
 
 
 def matmul_params(a: HFModelArgs, role: str) -> int:
-    """Parameters that take part in a matmul per token: all layers plus the output layer (or value head)."""
+    """Parameters that take part in a matmul per token: all layers (of a MoE layer the router and top-k experts)
+    plus the output layer (or value head)."""
     head = a.hidden_size if role == "critic" else padded_vocab_size(a.vocab_size, 1) * a.hidden_size
-    return layer_params(a, 1) * a.num_layers + head
+    return sum(active_layer_params(a, i) for i in range(a.num_layers)) + head
 
 
 def forward_flops(a: HFModelArgs, role: str, tokens: float, seq: int) -> float:

@@ -9,13 +9,18 @@ Stopping: a sample ends at any of `stop_token_ids` or the config's `eos_token_id
 model config's eos ids), or after `max_new_tokens` ("length"). The KV cache lives only inside a generate() call,
 so release() frees the weights (their storage is dropped) and there is no cross-call prefix cache to flush.
 
-Weights: tensors the exporter staged in shared memory (gloo ranks on one host, `is_staged`) are kept as the weights
+Weights arrive under HF checkpoint names. A MoE model's experts are one stream entry per expert and projection
+(`mlp.experts.{e}.gate_proj.weight`, ...), which transformers' Qwen3-MoE keeps fused in 3D parameters
+(`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]): each entry is copied into its slice.
+
+Tensors the exporter staged in shared memory (gloo ranks on one host, `is_staged`) are kept as the weights
 themselves, without a copy; anything else is copied in. Kept staged weights live in the exporter's staging buffer,
 which the next sync rewrites in place and which stays allocated across release() (the exporter reuses it; free it
 with mppo.models.weight_transport.release_staging_buffers() on every rank once the engine has released).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import torch
@@ -39,18 +44,35 @@ class CPURolloutEngine(RolloutEngine):
         self._runner = PackedCausalLM(self._model)
         # Every accepted name -> its parameter; tied names (lm_head.weight with tied embeddings) share one.
         self._params_by_name = dict(self._model.named_parameters(remove_duplicate=False))
-        self._canonical_names = [name for name, _ in self._model.named_parameters()]
+        self._expert_pieces = _expert_pieces(self._model)  # per-expert HF name -> its slice of a fused parameter
+        self._fused = {fused_name for fused_name, _, _ in self._expert_pieces.values()}
+        self._canonical_names = [name for name, _ in self._model.named_parameters() if name not in self._fused]
+        self._canonical_names += list(self._expert_pieces)
         self._param_shapes = {name: param.shape for name, param in self._model.named_parameters()}
         eos = hf_config.eos_token_id
         self._config_eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The engine's current weights by HF name (tied names included), detached; empty tensors when released."""
-        return {name: param.detach() for name, param in self._params_by_name.items()}
+        """The engine's current weights by HF checkpoint name (tied names included, one entry per expert weight),
+        detached; empty tensors when released."""
+        names = [n for n in self._params_by_name if n not in self._fused] + list(self._expert_pieces)
+        return {name: self._target(name).detach() for name in names}
+
+    def _target(self, name: str) -> torch.Tensor:
+        """The parameter a stream name loads, or for a per-expert name the view of its slice (made anew each time:
+        release() and resume swap the fused parameter's storage)."""
+        if name in self._expert_pieces:
+            fused_name, expert, rows = self._expert_pieces[name]
+            fused = self._params_by_name[fused_name]
+            return fused[expert, rows] if fused.numel() else fused  # released: an empty tensor
+        return self._params_by_name[name]
+
+    def _received_key(self, name: str) -> int | str:
+        return name if name in self._expert_pieces else id(self._params_by_name[name])
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def _load_weights(self, buckets: Iterator[list[NamedTensor]]) -> None:
-        received: dict[int, str] = {}  # id(parameter) -> name it was loaded from in this update
+        received: dict[int | str, str] = {}  # id(parameter) (or a per-expert name) -> name it was loaded from
         with torch.no_grad():
             for bucket in buckets:
                 # CPU tensors only: skip the CPU-compat torch-function modes (mppo.parallel.cpu_compat), which add
@@ -58,24 +80,26 @@ class CPURolloutEngine(RolloutEngine):
                 with torch._C.DisableTorchFunction():
                     for name, tensor in bucket:
                         self._load_one(name, tensor, received)
-        missing = [n for n in self._canonical_names if id(self._params_by_name[n]) not in received]
+        missing = [n for n in self._canonical_names if self._received_key(n) not in received]
         if missing:
             raise KeyError(
                 f"update_weights: the stream lacked {len(missing)} of the model's weights, e.g. {missing[:5]}; "
                 "every update must carry the full model"
             )
 
-    def _load_one(self, name: str, tensor: torch.Tensor, received: dict[int, str]) -> None:
+    def _load_one(self, name: str, tensor: torch.Tensor, received: dict[int | str, str]) -> None:
         param = self._lookup(name, tensor)
-        first = received.get(id(param))
+        key = self._received_key(name)
+        first = received.get(key)
         if first is None:
-            if is_staged(tensor) and tensor.dtype == param.dtype and tensor.is_contiguous():
+            if (is_staged(tensor) and tensor.dtype == param.dtype and tensor.is_contiguous()
+                    and name not in self._expert_pieces):  # a slice of a fused parameter is always copied
                 # Keep the exporter's staged view as this weight: no copy now, and later exports write the next
                 # values into it in place (mppo.models.weight_transport).
                 param.data = tensor
             else:
                 param.copy_(tensor)
-            received[id(param)] = name
+            received[key] = name
         elif first == name:
             raise ValueError(f"update_weights: weight {name!r} was sent twice in one update")
         elif not torch.equal(param, tensor.to(param.device, param.dtype)):
@@ -85,7 +109,7 @@ class CPURolloutEngine(RolloutEngine):
             )
 
     def _lookup(self, name: str, tensor: torch.Tensor) -> torch.nn.Parameter:
-        param = self._params_by_name.get(name)
+        param = self._target(name) if name in self._params_by_name or name in self._expert_pieces else None
         if param is None:
             raise KeyError(
                 f"update_weights: unknown weight {name!r} for this {self._config.model_type} model "
@@ -142,6 +166,27 @@ class CPURolloutEngine(RolloutEngine):
             )
             for slot, (tokens, log_probs, reason) in enumerate(out)
         ]
+
+
+_FUSED_EXPERTS = re.compile(r"(.+\.mlp\.experts)\.(gate_up_proj|down_proj)")
+
+
+def _expert_pieces(model: torch.nn.Module) -> dict[str, tuple[str, int, slice]]:
+    """HF checkpoint names of per-expert weights -> (fused parameter name, expert, rows of that expert's matrix)."""
+    pieces: dict[str, tuple[str, int, slice]] = {}
+    for name, param in model.named_parameters():
+        match = _FUSED_EXPERTS.fullmatch(name)
+        if match is None:
+            continue
+        prefix, kind = match.groups()
+        for e in range(param.shape[0]):
+            if kind == "down_proj":
+                pieces[f"{prefix}.{e}.down_proj.weight"] = (name, e, slice(None))
+            else:
+                half = param.shape[1] // 2
+                pieces[f"{prefix}.{e}.gate_proj.weight"] = (name, e, slice(0, half))
+                pieces[f"{prefix}.{e}.up_proj.weight"] = (name, e, slice(half, None))
+    return pieces
 
 
 def _build_unloaded_model(hf_config: PretrainedConfig) -> torch.nn.Module:

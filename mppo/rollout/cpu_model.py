@@ -1,4 +1,4 @@
-"""A batch-invariant forward over a transformers Llama-family model (Llama, Qwen2, Qwen3): prompt prefill and
+"""A batch-invariant forward over a transformers Llama-family model (Llama, Qwen2, Qwen3, Qwen3-MoE): prompt prefill and
 batched decode steps over a preallocated KV cache (mppo.rollout.cpu_attention).
 
 Why not call the HF model with left padding: padding changes the floating point of every padded sequence
@@ -35,7 +35,7 @@ from mppo.rollout.cpu_attention import (
     prefill_attention,
 )
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # Every batch has at least this many rows (>= 4 needed, see the module docstring; 16 for margin).
 MIN_ROWS = 16
 
@@ -82,6 +82,34 @@ class GatedMLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # the activation is SiLU (check_supported)
         return F.linear(silu(F.linear(x, *self.gate)) * F.linear(x, *self.up), *self.down)
+
+
+class MoEMLP:
+    """Qwen3-MoE's sparse block: a softmax router over all experts (fp32), the top-k weights (renormalised with
+    norm_topk_prob), and the weighted sum of the chosen experts' gated MLPs, in ascending expert order as HF adds them.
+
+    Every expert runs on every row and unchosen experts get weight 0 (adding 0 x y is exact): an expert's GEMM then
+    never depends on which other tokens chose it, which keeps the forward batch-invariant, at num_experts / top_k
+    times the MLP work of a sparse dispatch (the CPU engine serves tiny models).
+    """
+
+    def __init__(self, hf_moe: torch.nn.Module) -> None:
+        router, experts = hf_moe.gate, hf_moe.experts
+        self.router = router.weight
+        self.top_k, self.norm_topk_prob = router.top_k, router.norm_topk_prob
+        self.gate_up, self.down = experts.gate_up_proj, experts.down_proj  # [E, 2I, H], [E, H, I]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        top_weights, top_experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        weights = torch.zeros_like(probs).scatter_(1, top_experts, top_weights).to(x.dtype)  # [rows, E]
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up.shape[0]):
+            gate, up = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)
+            out += F.linear(silu(gate) * up, self.down[e]) * weights[:, e, None]
+        return out
 
 
 class Rope:
@@ -147,7 +175,7 @@ class DecoderLayer:
         self.input_norm = RMSNorm(hf_layer.input_layernorm)
         self.attention = Attention(hf_layer.self_attn)
         self.post_attention_norm = RMSNorm(hf_layer.post_attention_layernorm)
-        self.mlp = GatedMLP(hf_layer.mlp)
+        self.mlp = MoEMLP(hf_layer.mlp) if hasattr(hf_layer.mlp, "experts") else GatedMLP(hf_layer.mlp)
 
     def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + self.mlp(self.post_attention_norm(hidden))

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mppo.models.hf_config import HFModelArgs
+from mppo.models.weight_export import export_group
 from mppo.models.weights import bucketed, iter_hf_weights
 from mppo.parallel import collective_device
 from mppo.rollout.base import NamedTensor, RolloutEngine
@@ -35,10 +36,9 @@ class SyncStats:
 
 
 def engine_ranks(engine: RolloutEngine | None) -> list[int]:
-    """Global ranks of this rank's model-parallel group that hold an engine (one small all-gather over the group)."""
-    from megatron.core import parallel_state as ps
-
-    group = ps.get_model_parallel_group()
+    """Global ranks of this rank's export group (its model-parallel group; with EP, the EP model-parallel groups
+    that share one set of experts) that hold an engine (one small all-gather over the group)."""
+    group = export_group()
     flag = torch.tensor([int(engine is not None)], device=collective_device(group))
     flags = [torch.empty_like(flag) for _ in range(dist.get_world_size(group))]
     dist.all_gather(flags, flag, group=group)

@@ -70,6 +70,18 @@ def check_gpu_packages(cfg: MppoConfig) -> None:
                                   f"{INSTALL_HINT}; or use actor_rollout_ref.rollout.name=cpu")
 
 
+def check_models(cfg: MppoConfig) -> None:
+    """Stop at start-up on a model mppo cannot map (an unknown model_type, an unsupported MoE variant such as shared
+    experts or another router): one line naming the config.json key, before megatron is imported. A model directory
+    without config.json is left to the model loader, which names the missing file."""
+    from mppo.models.hf_config import read_hf_config
+
+    paths = [cfg.actor_rollout_ref.model.path] + ([cfg.critic.model.path] if cfg.critic.enable else [])
+    for path in dict.fromkeys(p for p in paths if p):
+        if (Path(path).expanduser() / "config.json").is_file():
+            read_hf_config(Path(path).expanduser())
+
+
 def check_device(cfg: MppoConfig) -> None:
     """trainer.device must match what this process can use: mppo trains on every visible GPU (nccl), or on the
     CPU (gloo) when none is visible. A mismatch is an error rather than a silent switch of device."""

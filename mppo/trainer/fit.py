@@ -69,10 +69,11 @@ class PPOTrainer:
         # Bad input stops the run here, in seconds: before megatron is imported or any model is built.
         components.check_gpu_packages(cfg)
         components.check_device(cfg)
+        components.check_models(cfg)
         self.data = components.build_data(cfg)
         self.faults = faults.from_env()  # None unless MPPO_FAULT is set (tests)
         self.dims = init_distributed(mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size,
-                                     mcfg.virtual_pipeline_model_parallel_size,
+                                     mcfg.virtual_pipeline_model_parallel_size, ep=mcfg.expert_model_parallel_size,
                                      timeout_s=process_group_timeout_s(cfg.trainer.collective_timeout_s),
                                      seed=mcfg.seed)
         self.device = torch.device(self.dims.device)
@@ -83,7 +84,7 @@ class PPOTrainer:
         tie_checkpoint_helpers_to_rank()  # no orphan processes when this rank is killed
         self.ckpt = CheckpointManager(self.run_dir, resume_config=_resume_config(cfg),
                                       layout={"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp,
-                                              "vpp": self.dims.vpp},
+                                              "vpp": self.dims.vpp, "ep": self.dims.ep},
                                       max_to_keep=cfg.trainer.max_ckpt_to_keep)
         self.ckpt.remove_partial_writes()
         # A checkpoint of another model or config stops the run now, before the models are built.
@@ -381,8 +382,13 @@ def _endless(loader) -> Iterator[PromptBatch]:
 
 
 def _count_parameters(model_chunks, io: ModelParallelIO) -> int:
-    """Parameters of the whole model: this rank's shard summed over its model-parallel group."""
-    local = sum(p.numel() for chunk in model_chunks for p in chunk.parameters())
+    """Parameters of the whole model: this rank's shard summed over its model-parallel group; a MoE model's routed
+    experts (megatron marks them `allreduce=False`) are split over EP ranks outside that group, EP x as many."""
+    from megatron.core import parallel_state as ps
+
+    ep = ps.get_expert_model_parallel_world_size()
+    local = sum(p.numel() * (ep if not getattr(p, "allreduce", True) else 1)
+                for chunk in model_chunks for p in chunk.parameters())
     total = torch.tensor([local], dtype=torch.float64, device=collective_device(io.mp_group))
     if io.mp_group is not None:
         dist.all_reduce(total, group=io.mp_group)
@@ -392,7 +398,8 @@ def _count_parameters(model_chunks, io: ModelParallelIO) -> int:
 def _check_shared_layout(cfg: MppoConfig) -> None:
     """Actor, critic and reference share megatron's one set of process groups, so they share one layout."""
     actor = cfg.actor_rollout_ref.actor.megatron
-    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
+    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+            "expert_model_parallel_size")
     for role, section in (("critic", cfg.critic.megatron), ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.megatron)):
         for key in keys:
             if getattr(section, key) != getattr(actor, key):

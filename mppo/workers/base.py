@@ -33,7 +33,8 @@ def check_layout(megatron: MegatronConfig, dims: ParallelDims, role: str) -> Non
     """The role's megatron layout must be the one the process groups were built with (None = not set)."""
     wanted = {"tensor_model_parallel_size": (megatron.tensor_model_parallel_size, dims.tp),
               "pipeline_model_parallel_size": (megatron.pipeline_model_parallel_size, dims.pp),
-              "virtual_pipeline_model_parallel_size": (megatron.virtual_pipeline_model_parallel_size, dims.vpp)}
+              "virtual_pipeline_model_parallel_size": (megatron.virtual_pipeline_model_parallel_size, dims.vpp),
+              "expert_model_parallel_size": (megatron.expert_model_parallel_size, dims.ep)}
     for key, (configured, actual) in wanted.items():
         if key.startswith("virtual") and configured in (None, 1) and actual is None:
             continue

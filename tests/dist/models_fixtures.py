@@ -1,4 +1,4 @@
-"""Tiny random HF causal LMs (Qwen2, Llama 3) saved with safetensors, for the model tests.
+"""Tiny random HF causal LMs (Qwen2, Llama 3, Qwen3, Qwen3-MoE) saved with safetensors, for the model tests.
 
 Every parameter is redrawn (norm weights around 1, biases non-zero) so that a wrong mapping of any tensor
 shows up in the logits.
@@ -25,10 +25,26 @@ MODELS = {
     "llama_untied": ("llama", dict(vocab_size=1001, num_hidden_layers=2, tie_word_embeddings=False)),
 }
 
+# Qwen3 dense and Qwen3-MoE (tests/dist/models_moe.py): head_dim 32 != hidden / heads = 16 as in real Qwen3 configs;
+# 4 experts, top-2; one dense layer (mlp_only_layers) so that a block of MoE and dense layers is built.
+QWEN3_TINY = dict(TINY, head_dim=32)
+QWEN3_MODELS = {
+    "qwen3_tied": ("qwen3", dict(vocab_size=1003, num_hidden_layers=4, tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen3_moe": ("qwen3_moe", dict(vocab_size=1001, num_hidden_layers=4, tie_word_embeddings=False,
+                                    moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                                    norm_topk_prob=True, mlp_only_layers=[1])),
+    "qwen3_moe_unnormed": ("qwen3_moe", dict(vocab_size=1000, num_hidden_layers=2, tie_word_embeddings=True,
+                                             moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                             norm_topk_prob=False)),
+}
+
 
 def hf_config(name: str):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
+    if name in QWEN3_MODELS:
+        model_type, overrides = QWEN3_MODELS[name]
+        return (Qwen3Config if model_type == "qwen3" else Qwen3MoeConfig)(**QWEN3_TINY, **overrides)
     model_type, overrides = MODELS[name]
     cls = Qwen2Config if model_type == "qwen2" else LlamaConfig
     return cls(**TINY, **overrides)

@@ -91,6 +91,39 @@ def parity_cases(work: Path, dims, res: dict) -> None:
                 torch.cuda.empty_cache()
 
 
+def moe_parity_cases(work: Path, dims, res: dict) -> None:
+    """Qwen3-MoE tiny (4 experts, top-2, one dense layer) at EP1 on the GPU vs HF on the same GPU, both specs, fp32
+    and bf16; the fp32 export equals the HF checkpoint bitwise."""
+    from safetensors.torch import load_file
+
+    from mppo.models.builders import build_gpt_model
+    from mppo.models.hf_config import read_hf_config
+    from mppo.models.weights import iter_hf_weights, load_hf_weights
+    from mppo.workers.pipeline import compute_token_logprobs
+
+    name = "qwen3_moe"
+    hf = make_hf_model(name, work / name).to(DEVICE)
+    args = read_hf_config(work / name)
+    batches = to_device(micro_batches(args.vocab_size, seed=12))
+    refs = hf_reference(hf, batches)
+    original = load_file(str(work / name / "model.safetensors"))
+    for impl, dtype in [(i, d) for i in IMPLS for d in (torch.float32, torch.bfloat16)]:
+        tag = f"{name}/{impl}/{str(dtype).split('.')[-1]}"
+        chunks = build_gpt_model(args, dims, role="actor", dtype=dtype, transformer_impl=impl)
+        load_hf_weights(chunks, work / name, args)
+        res[f"{tag}/param_device"] = str(next(chunks[0].parameters()).device)
+        res[f"{tag}/logits"] = max_diff(run_logits(chunks, batches, args.vocab_size), refs, "logits")
+        lp = compute_token_logprobs(chunks, batches, vocab_size=args.vocab_size, temperature=TEMPERATURE)
+        res[f"{tag}/log_probs"] = max_diff(lp, refs, "log_probs")
+        if dtype == torch.float32:
+            exported = dict(iter_hf_weights(chunks, args))
+            res[f"{tag}/export_bitwise"] = sorted(exported) == sorted(original) and all(
+                torch.equal(exported[k].cpu(), original[k]) for k in original)
+        del chunks
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def peak_bf16_tflops() -> float:
     """This GPU's measured dense bf16 matmul rate (the MFU denominator), best of 10 after warm-up."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -194,6 +227,7 @@ def main() -> None:
     dims = init_distributed(1, 1, seed=1234)
     res["dims"] = [dims.backend, str(dims.device)]
     for name, run in (("parity_cases", lambda: parity_cases(work, dims, res)),
+                      ("moe_parity_cases", lambda: moe_parity_cases(work, dims, res)),
                       ("update_throughput", lambda: update_throughput(dims, res))):
         try:
             run()

@@ -1,4 +1,5 @@
-"""Megatron-core actor on one GPU (nccl; SDPA and local attention specs) vs HF transformers on the same GPU, fp32 and
+"""Megatron-core actor on one GPU (nccl; SDPA and local attention specs; dense models and a tiny Qwen3-MoE at EP1) vs
+HF transformers on the same GPU, fp32 and
 bf16, through mppo's pipeline schedule, with torch and Triton log-prob kernels; and bf16 actor fwd+bwd throughput
 (tokens/s, MFU) at Qwen2.5-0.5B and 1.5B shapes on 4k-token sequences for both specs."""
 from __future__ import annotations
@@ -36,6 +37,17 @@ def test_megatron_matches_hf_on_gpu(tmp_path):
             assert res[f"{tag}/float32/final_norm_grad"] < 1e-3
         assert res[f"{name}/sdpa/float32/logits_vs_local"] < 1e-3
         assert res[f"{name}/sdpa/bfloat16/logits_vs_local"] < 0.15
+    # Qwen3-MoE tiny at EP1: router, experts and QK norms on CUDA
+    assert "moe_parity_cases/error" not in res, res["moe_parity_cases/error"]
+    for impl in ("local", "sdpa"):
+        tag = f"qwen3_moe/{impl}"
+        assert res[f"{tag}/float32/param_device"] == "cuda:0"
+        # bf16 vs the fp32 HF reference: a token whose top-2 experts are near a tie can route differently in bf16,
+        # so the bounds are looser than the dense ones (the CPU dry run measured 0.38 logits, 0.15 log-probs)
+        for key, bf16_bound in (("logits", 0.5), ("log_probs", 0.3)):
+            assert res[f"{tag}/float32/{key}"] < 1e-3, (tag, key, res[f"{tag}/float32/{key}"])
+            assert res[f"{tag}/bfloat16/{key}"] < bf16_bound, (tag, key, res[f"{tag}/bfloat16/{key}"])
+        assert res[f"{tag}/float32/export_bitwise"] is True
     assert "update_throughput/error" not in res, res["update_throughput/error"]
     # a fused kernel, never the math one that materialises [b, h, s, s] scores; fp32 runs with K/V repeated
     for dtype in ("bfloat16", "float32"):

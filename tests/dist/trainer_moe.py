@@ -1,0 +1,75 @@
+"""PPO / GRPO on a tiny Qwen3-MoE under torchrun (run by tests/test_trainer_moe.py): each case builds a fresh
+PPOTrainer (same model and seed: the same initial weights, prompts and rollouts), then either runs one train_step
+and records its metrics and the updated actor weights (as full HF tensors), or runs `fit()` to its end.
+
+Rank R writes out/rank{R}.json: {case: {"metrics": ..., "weights_diff": ...}}; fit cases leave their metrics in
+their run directory's metrics.jsonl. The updated weights of a step case are compared in this process with those of
+its reference case (`weights_diff`: max |a - b| over every HF tensor).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+
+def build(config: str, overrides: list[str]):
+    from mppo.config import load_config
+    from mppo.trainer.fit import PPOTrainer
+
+    return PPOTrainer(load_config(config, overrides, world_size=int(os.environ["WORLD_SIZE"])))
+
+
+def one_step(config: str, overrides: list[str]) -> tuple[dict, dict[str, torch.Tensor]]:
+    from mppo.models.weights import iter_hf_weights
+    from mppo.parallel import destroy
+
+    trainer = build(config, overrides)
+    prompts = next(iter(trainer.data.train_loader))
+    metrics = {k: float(v) for k, v in trainer.train_step(prompts).items()}
+    weights = {name: t.clone() for name, t in iter_hf_weights(trainer.actor.model, trainer.actor.hf_args)}
+    trainer.watchdog.close()
+    trainer.metrics.close()
+    destroy()
+    return {"metrics": metrics}, weights
+
+
+def fit(config: str, overrides: list[str]) -> dict:
+    from mppo.parallel import destroy
+
+    trainer = build(config, overrides)
+    resumed_from = trainer.resume_from.step if trainer.resume_from is not None else None
+    trainer.fit()
+    destroy()
+    return {"resumed_from": resumed_from}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--config", required=True)
+    p.add_argument("--cases", required=True, help='JSON {name: ["step" | "fit", overrides, reference case | null]}')
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    result: dict[str, dict] = {}
+    weights: dict[str, dict[str, torch.Tensor]] = {}
+    for name, (kind, overrides, reference) in json.loads(args.cases).items():
+        if kind == "fit":
+            result[name] = fit(args.config, overrides)
+            continue
+        result[name], weights[name] = one_step(args.config, overrides)
+        if reference is not None:
+            ref = weights[reference]
+            assert sorted(ref) == sorted(weights[name])
+            result[name]["weights_diff"] = max((weights[name][k] - ref[k]).abs().max().item() for k in ref)
+    rank = torch.distributed.get_rank()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
