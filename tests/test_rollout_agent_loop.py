@@ -71,3 +71,20 @@ def test_turn_limit_and_length_limit(tmp_path):
     (r,) = run_agent_loop(ScriptedEngine(tok, [CALL] * 10), [prompt], sampling, step=0, prompt_offsets=[0],
                           tokenizer=tok, max_assistant_turns=10, max_response_length=50, tool_timeout_s=2.0)
     assert len(r.token_ids) == len(r.loss_mask) == len(r.log_probs) == 50 and r.finish_reason == "length"
+
+
+def test_rollout_batch_keeps_tool_turns_attended_but_out_of_the_loss():
+    import torch
+
+    from mppo.data.loader import PromptBatch
+    from mppo.rollout.agent_loop import AgentResponse
+    from mppo.trainer.rollout_batch import build_rollout_batch
+
+    prompts = PromptBatch(input_ids=torch.tensor([[9, 5]]), attention_mask=torch.tensor([[1, 1]]),
+                          position_ids=torch.tensor([[0, 1]]), raw_prompts=["p"], data_sources=["d"],
+                          ground_truths=[None], extra_infos=[None], indices=torch.tensor([3]))
+    response = AgentResponse(0, 0, [1, 2, 7, 7, 3], [-0.1, -0.2, 0.0, 0.0, -0.3], [1, 1, 0, 0, 1], 1, "stop")
+    b = build_rollout_batch(prompts, [response], n=1, max_response_length=6, pad_token_id=0)
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 1, 1, 0]]
+    assert b["response_mask"].tolist() == [[1, 1, 0, 0, 1, 0]]
+    assert b["rollout_log_probs"].tolist() == torch.tensor([[-0.1, -0.2, 0.0, 0.0, -0.3, 0.0]]).tolist()
