@@ -12,27 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
 import torch
 
-
-def build(config: str, overrides: list[str]):
-    from mppo.config import load_config
-    from mppo.trainer.fit import PPOTrainer
-
-    cfg = load_config(config, overrides, world_size=int(os.environ["WORLD_SIZE"]))
-    return PPOTrainer(cfg)
-
-
-def close(trainer) -> None:
-    from mppo.parallel import destroy
-
-    trainer.watchdog.close()
-    trainer.metrics.close()
-    destroy()
+from trainer_onpolicy import build, close  # same directory: one way to build and tear down a trainer
 
 
 def hf_model(path: str):
