@@ -71,8 +71,8 @@ def test_mask_truncated_removes_cut_responses_from_the_mask():
 
 def test_trainer_logs_the_penalty_and_keeps_a_batch_that_is_all_truncated(assets, tmp_path):
     """Buffer = the whole length (8), factor 100: each full-length response's penalty is -100, logged and in the
-    training scores (the dense reward is in [0, 1.25)). Every response is full length (ignore_eos): masking them all would leave no token in the
-    loss, so none is masked and the update is a normal, finite one."""
+    training scores (the dense reward is in [0, 1.25)). Every response is full length (ignore_eos): masking them
+    all would leave no token in the loss, so none is masked and the update is a normal, finite one."""
     run = tmp_path / "run"
     proc = train(1, tiny_overrides(assets, run, world=1, steps=1, estimator="grpo", n=2) + dense_reward(assets) + [
         "critic.enable=false", "algorithm.use_kl_in_reward=false", "trainer.val_before_train=false",

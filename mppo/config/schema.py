@@ -133,6 +133,17 @@ class SamplingConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    # veRL rollout.multi_turn: an agent loop with tools; tool turns are in the context but out of every loss
+    enable: bool = False  # multi-turn rollout: the model may call tools (mppo.rollout.tools) between turns
+    max_assistant_turns: Optional[int] = None  # assistant turns per response at most; null: until the length limit
+    tool_timeout_s: float = 10.0  # a tool call still running after this many seconds is killed (an error message)
+    max_tool_response_length: int = 256  # characters of a tool message kept
+    tool_response_truncate_side: str = choice("middle", "left", "right")  # which part of a longer one is kept
+    format: str = choice("hermes")  # tool calls: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+
+
+@dataclass
 class RolloutConfig:
     name: str = choice("sglang", "cpu")  # engine: sglang (GPU, co-located) or the CPU engine (tests, demo)
     n: int = 1  # responses sampled per prompt (GRPO group size)
@@ -145,6 +156,7 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # samples per old-log-prob forward; null: actor's micro
     weight_bucket_mb: int = 512  # MiB per bucket when streaming weights to the engine
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)  # sampling for validation
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # agent loop with tools
 
 
 @dataclass

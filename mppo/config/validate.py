@@ -79,7 +79,9 @@ _OPTIMS = [f"{ACTOR}.optim", "critic.optim"]
 
 # (keys, (predicate, problem)); a null value is skipped here (non-Optional keys cannot be null after loading).
 _RANGES: list[tuple[list[str], tuple[Callable[[Any], bool], str]]] = [
-    (["data.train_batch_size", "data.gen_batch_size", "data.val_batch_size", "data.max_prompt_length", "data.max_response_length",
+    (["data.train_batch_size", "data.gen_batch_size", "data.val_batch_size", "data.max_prompt_length",
+      "data.max_response_length", f"{ROLLOUT}.multi_turn.max_assistant_turns",
+      f"{ROLLOUT}.multi_turn.max_tool_response_length",
       f"{ACTOR}.ppo_mini_batch_size", f"{ACTOR}.ppo_micro_batch_size_per_gpu", f"{ACTOR}.ppo_max_token_len_per_gpu",
       f"{ACTOR}.ppo_epochs", f"{ROLLOUT}.n", f"{ROLLOUT}.tensor_model_parallel_size",
       f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", f"{ROLLOUT}.weight_bucket_mb", f"{ROLLOUT}.val_kwargs.n",
@@ -95,7 +97,7 @@ _RANGES: list[tuple[list[str], tuple[Callable[[Any], bool], str]]] = [
         "trainer.critic_warmup", "trainer.max_consecutive_skips"], _at_least(0)),
     ([f"{o}.eps" for o in _OPTIMS] + [f"{ACTOR}.clip_ratio", f"{ACTOR}.clip_ratio_low", f"{ACTOR}.clip_ratio_high",
                                       "critic.cliprange_value", "algorithm.kl_ctrl.target_kl",
-                                      f"{ROLLOUT}.temperature"], _above(0)),
+                                      f"{ROLLOUT}.temperature", f"{ROLLOUT}.multi_turn.tool_timeout_s"], _above(0)),
     ([f"{ACTOR}.tau_pos", f"{ACTOR}.tau_neg", f"{ACTOR}.policy_loss.dro_beta"], _above(0)),
     ([f"{ACTOR}.policy_loss.clip_cov_ratio", f"{ACTOR}.policy_loss.kl_cov_ratio"], _fraction(lo_open=False)),
     ([f"{ACTOR}.clip_ratio_c"], ((lambda v: v > 1), "must be > 1 (dual-clip lower bound on -A x ratio)")),

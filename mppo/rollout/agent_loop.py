@@ -18,7 +18,7 @@ from typing import Any
 from mppo.rollout.base import RolloutEngine, SamplingParams
 from mppo.rollout.tools import parse_tool_calls, run_tool_call
 
-__all__ = ["AgentResponse", "tool_turn_ids", "run_agent_loop"]
+__all__ = ["AgentResponse", "tool_turn_ids", "run_agent_loop", "generate_multi_turn"]
 
 TOOL_CALL_END = "</tool_call>"
 
@@ -110,3 +110,16 @@ def run_agent_loop(engine: RolloutEngine, prompt_token_ids: list[list[int]], sam
         active = still
     return [AgentResponse(c["index"], c["sample"], c["ids"], c["lps"], c["mask"], c["calls"], c["finish"])
             for c in convs]
+
+
+def generate_multi_turn(engine: RolloutEngine, prompt_token_ids: list[list[int]], sampling: SamplingParams, *,
+                        step: int, prompt_offsets: list[int], tokenizer: Any, multi_turn: Any,
+                        max_response_length: int) -> list[AgentResponse]:
+    """`run_agent_loop` with the settings of `actor_rollout_ref.rollout.multi_turn` (null max_assistant_turns:
+    as many as fit in max_response_length)."""
+    turns = multi_turn.max_assistant_turns or max_response_length
+    return run_agent_loop(engine, prompt_token_ids, sampling, step=step, prompt_offsets=prompt_offsets,
+                          tokenizer=tokenizer, max_assistant_turns=turns, max_response_length=max_response_length,
+                          tool_timeout_s=multi_turn.tool_timeout_s,
+                          max_tool_response_length=multi_turn.max_tool_response_length,
+                          tool_response_truncate_side=multi_turn.tool_response_truncate_side)

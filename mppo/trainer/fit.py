@@ -29,6 +29,7 @@ from mppo.config.decisions import old_log_prob_pass, old_log_prob_reuse
 from mppo.data.loader import PromptBatch
 from mppo.errors import UserError
 from mppo.parallel import collective_device
+from mppo.rollout import agent_loop
 from mppo.rollout.weight_sync import push_actor_weights
 from mppo.trainer import components, faults, remax, response_shaping, rollout_correction
 from mppo.trainer.dynamic_sampling import DynamicSampler
@@ -71,6 +72,11 @@ class PPOTrainer:
         components.check_device(cfg)
         components.check_models(cfg)
         self.data = components.build_data(cfg)
+        if cfg.actor_rollout_ref.rollout.multi_turn.enable:  # the hermes format needs `</tool_call>` as one token
+            try:
+                agent_loop.tool_call_end_id(self.data.tokenizer)
+            except ValueError as err:
+                raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.enable = true: {err}") from None
         self.faults = faults.from_env()  # None unless MPPO_FAULT is set (tests)
         self.dims = init_distributed(mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size,
                                      mcfg.virtual_pipeline_model_parallel_size, ep=mcfg.expert_model_parallel_size,
@@ -180,14 +186,23 @@ class PPOTrainer:
         batch = None
         if self.engine is not None:
             prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(prompts.input_ids, prompts.attention_mask)]
-            responses = self.engine.generate(prompt_ids, sampling, step=step,
-                                             prompt_offsets=list(range(offset, offset + len(prompt_ids))))
+            offsets = list(range(offset, offset + len(prompt_ids)))
+            multi_turn = self.cfg.actor_rollout_ref.rollout.multi_turn
+            if multi_turn.enable:
+                responses = agent_loop.generate_multi_turn(
+                    self.engine, prompt_ids, sampling, step=step, prompt_offsets=offsets, tokenizer=self.data.tokenizer,
+                    multi_turn=multi_turn, max_response_length=self.cfg.data.max_response_length)
+            else:
+                responses = self.engine.generate(prompt_ids, sampling, step=step, prompt_offsets=offsets)
             batch = build_rollout_batch(prompts, responses, n=sampling.n,
                                         max_response_length=self.cfg.data.max_response_length,
                                         pad_token_id=self.data.tokenizer.pad_token_id)
             n = sampling.n
+            # The reward reads the whole response, tool turns included (they are only out of the loss).
+            width = batch["responses"].shape[1]
+            reward_mask = batch["attention_mask"][:, -width:].float() if multi_turn.enable else batch["response_mask"]
             scores, reward_metrics = self.data.reward(
-                [p for p in prompts.raw_prompts for _ in range(n)], batch["responses"], batch["response_mask"],
+                [p for p in prompts.raw_prompts for _ in range(n)], batch["responses"], reward_mask,
                 [s for s in prompts.data_sources for _ in range(n)],
                 [g for g in prompts.ground_truths for _ in range(n)],
                 [e for e in prompts.extra_infos for _ in range(n)])
