@@ -1,13 +1,18 @@
 # The two front doors: `make demo` (CPU demo run) and `make test` (the whole test suite, as CI runs it).
-# Both create .venv when missing and install mppo with the CPU constraints (torch pinned to the CPU wheel).
+# Both create .venv when missing and install mppo with the CPU constraints (torch pinned to the CPU wheel);
+# `make test` adds SGLang's CPU tier (`make sglang`).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 CONSTRAINTS ?= constraints-cpu.txt
 STAMP := $(VENV)/.mppo-installed
+SGLANG_REQS := requirements-sglang-cpu.txt
+SGLANG_STAMP := $(VENV)/.mppo-sglang-installed
+# torchvision goes here, off sys.path (see mppo/rollout/sglang_cpu/__init__.py: PyPI's build is CUDA-linked).
+SGLANG_EXTRAS := $(VENV)/mppo-sglang-cpu
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-gpu install clean
+.PHONY: demo test test-gpu install sglang clean
 
 install: $(STAMP)
 
@@ -20,10 +25,31 @@ $(STAMP): setup.py $(CONSTRAINTS)
 	$(BIN)/python -m pip list 2>/dev/null | grep -E '^(torch|megatron-core|triton|transformers) '
 	touch $@
 
+# SGLang 0.5.23's CPU tier (the test suite runs the trainer against a real sglang.Engine on the CPU). sglang goes in
+# without its declared requirements (a CUDA torch 2.14.1 and CUDA kernels), then what its CPU engine imports, with
+# torch held by the constraints and transformers/tokenizers/numpy held at what `install` resolved. Downloads are
+# cached by pip (~/.cache/pip).
+sglang: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): $(STAMP) $(SGLANG_REQS) $(CONSTRAINTS)
+	$(BIN)/python -m pip install -q --no-deps "$$(grep -E '^sglang==' $(SGLANG_REQS))"
+	$(BIN)/python -m pip freeze | grep -iE '^(transformers|tokenizers|huggingface[-_]hub|numpy|safetensors)==' \
+		> $(VENV)/held-for-sglang.txt
+	grep -vE '^(sglang|torchvision)==' $(SGLANG_REQS) > $(VENV)/sglang-cpu-requirements.txt
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -c $(VENV)/held-for-sglang.txt \
+		-r $(VENV)/sglang-cpu-requirements.txt
+	rm -rf $(SGLANG_EXTRAS)
+	$(BIN)/python -m pip install -q --no-deps --target $(SGLANG_EXTRAS) "$$(grep -E '^torchvision==' $(SGLANG_REQS))"
+	# torch must still be the CPU wheel, and sglang must start on it (stand-ins: mppo/rollout/sglang_cpu)
+	$(BIN)/python -c "import torch, sys; sys.exit(f'torch {torch.__version__} is a CUDA build' if torch.version.cuda else 0)"
+	$(BIN)/python -c "from mppo.rollout.sglang_cpu import activate; activate(); import sglang.srt.entrypoints.engine"
+	$(BIN)/python -m pip list 2>/dev/null | grep -E '^(torch|transformers|sglang) '
+	touch $@
+
 demo: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" bash launch/demo_cpu.sh
 
-test: $(STAMP)
+test: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
 # The GPU tier: on a machine with CUDA and the GPU stack already installed (not run by CI, which has no GPU).

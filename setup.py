@@ -26,11 +26,13 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["mppo", "mppo.*"]) + ["mppo.kernels"],
     package_dir={"mppo.kernels": "kernels"},
-    package_data={"mppo": ["../configs/*.yaml"]},
+    # The stand-ins SGLang needs on the CPU are put on PYTHONPATH as files (mppo/rollout/sglang_cpu).
+    package_data={"mppo": ["../configs/*.yaml", "rollout/sglang_cpu/standins/*.py",
+                           "rollout/sglang_cpu/standins/sgl_kernel/*.py"]},
     install_requires=CORE,
     extras_require={
         # GPU-only packages; imported lazily, a run that needs one names this extra when it is missing.
-        "gpu": ["transformer-engine[pytorch]", "sglang", "triton"],
+        "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.23,<0.6", "triton"],
         # triton is here too: its kernels are tested on CPU under TRITON_INTERPRET=1.
         "test": ["pytest>=7", "pytest-timeout", "triton"],
     },

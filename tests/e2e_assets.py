@@ -23,11 +23,12 @@ def dense_reward(root: Path) -> list[str]:
 
 
 def make_assets(root: Path, *, train_size: int = 64, test_size: int = 16, hidden: int = 32,
-                layers: int = 2, moe: bool = False) -> Path:
-    """Write root/data/{train,test}.parquet and root/model (HF Qwen2 + tokenizer; with `moe` a Qwen3-MoE of 4
-    experts, top-2); return root."""
+                layers: int = 2, arch: str = "qwen2") -> Path:
+    """Write root/data/{train,test}.parquet and root/model (a random HF Qwen2, Llama with arch="llama" or a
+    Qwen3-MoE of 4 experts, top-2, with arch="qwen3_moe", and a tokenizer); return root."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     from mppo.data import build_local_tokenizer, write_task
 
@@ -41,12 +42,14 @@ def make_assets(root: Path, *, train_size: int = 64, test_size: int = 16, hidden
                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                   bos_token_id=None)
-    if moe:
+    if arch == "qwen3_moe":
         config = Qwen3MoeConfig(**fields, moe_intermediate_size=hidden, num_experts=4, num_experts_per_tok=2,
                                 norm_topk_prob=True, head_dim=hidden // 4)
         Qwen3MoeForCausalLM(config).save_pretrained(root / "model", safe_serialization=True)
     else:
-        Qwen2ForCausalLM(Qwen2Config(**fields)).save_pretrained(root / "model", safe_serialization=True)
+        config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                 "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
+        model_cls(config_cls(**fields)).save_pretrained(root / "model", safe_serialization=True)
     (root / "dense_reward.py").write_text(DENSE_REWARD_FN)
     return root
 

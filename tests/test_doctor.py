@@ -46,9 +46,10 @@ def test_report_is_truthful(report_json):
     assert report_json["ok"] and report_json["problems"] == []
 
     text = doctor.render_text(doctor.Report.from_dict(report_json))
+    selftests = {t["name"]: t for t in report_json["selftests"]}
     if not torch.cuda.is_available():
         assert "no GPU: GPU self-tests skipped" in text
-        assert all(t["status"] == "no GPU" for t in report_json["selftests"])
+        assert all(t["status"] == "no GPU" for name, t in selftests.items() if name not in doctor.RUNS_WITHOUT_GPU)
     if importlib.util.find_spec("transformer_engine") is None:
         assert "Transformer Engine   -                missing package: not installed (supported >=2.0)" in text
     if torch.version.cuda is None:
@@ -60,6 +61,12 @@ def test_report_is_truthful(report_json):
     if importlib.util.find_spec("sglang") is None:
         assert features["SGLang rollout"]["status"] == "unavailable"
         assert "rollout.name=cpu" in features["SGLang rollout"]["detail"]
+    else:  # a real engine round trip ran (SGLang's CPU tier without a GPU): only then does it say "works"
+        trip = selftests["SGLang round trip"]
+        assert trip["status"] == "works", trip
+        assert "weights pushed and read back bitwise (twice)" in trip["detail"], trip
+        assert features["SGLang rollout"]["status"] == "works" and "self-test works" in features["SGLang rollout"][
+            "detail"]
 
 
 def test_the_config_decides_the_exit_code(report_json, monkeypatch, capsys):

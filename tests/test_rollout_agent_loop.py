@@ -90,29 +90,25 @@ def test_rollout_batch_keeps_tool_turns_attended_but_out_of_the_loss():
     assert b["rollout_log_probs"].tolist() == torch.tensor([[-0.1, -0.2, 0.0, 0.0, -0.3, 0.0]]).tolist()
 
 
-def test_trainer_runs_a_multi_turn_step(tmp_path):
-    """Plumbing only: a GRPO step with multi_turn.enable on a random model whose tokenizer has the tool-call tokens
-    (it rarely calls a tool; the layout itself is checked above)."""
-    import json
+def test_trainer_refuses_multi_turn_until_it_is_wired():
+    """The agent loop is not yet wired into the rollout factory: enabling it is one clear line, not a silent
+    single-turn run."""
+    import pytest
 
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from mppo.config import ConfigError, load_config
+    from mppo.trainer.fit import PPOTrainer
 
-    from e2e_assets import make_assets, step_metrics, tiny_overrides
-    from test_trainer_e2e import train
+    import tempfile
+    from pathlib import Path
 
-    root = make_assets(tmp_path / "assets")
-    base = tiny_overrides(root, tmp_path / "run", world=1, steps=1, estimator="grpo", n=2) + [
-        "critic.enable=false", "algorithm.use_kl_in_reward=false", "trainer.val_before_train=false",
-        "trainer.test_freq=-1", "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.multi_turn.enable=true",
-        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2"]
-    tok = AutoTokenizer.from_pretrained(root / "model")
-    tok.add_tokens(["<tool_call>", "</tool_call>"])
-    tok.save_pretrained(root / "model")
-    config = json.loads((root / "model" / "config.json").read_text())
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**{**config, "vocab_size": len(tok)}))
-    model.save_pretrained(root / "model", safe_serialization=True)
-    train(1, base)
-    m = step_metrics(tmp_path / "run")[1]
-    assert m["response_length/mean"] > 0 and "actor/pg_loss" in m
+    from dist_util import REPO
+    from e2e_assets import make_assets, tiny_overrides
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = make_assets(Path(tmp) / "assets", train_size=8, test_size=4)
+        cfg = load_config(str(REPO / "configs" / "demo_cpu.yaml"), tiny_overrides(root, Path(tmp) / "run", world=1, n=2,
+                                                                  estimator="grpo") + [
+            "critic.enable=false", "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.multi_turn.enable=true"],
+            world_size=1)
+        with pytest.raises(ConfigError, match="multi_turn.enable = true: the agent loop"):
+            PPOTrainer(cfg)

@@ -333,7 +333,7 @@ def test_memory_dance_order_and_generation():
     engine.flush_cache()
     again = engine.generate([[1, 2], [3]], SAMPLING, step=5, prompt_offsets=[8, 2])
     assert fake.calls == (
-        [("release", ("kv_cache", "weights", "cuda_graph")), ("resume", ("weights",)), "begin"]
+        ["flush", ("release", ("kv_cache", "weights", "cuda_graph")), ("resume", ("weights",)), "begin"]
         + [("update", 1, "flattened_bucket", False)] * len(buckets)
         + ["end", "flush", ("resume", ("kv_cache", "cuda_graph")), "flush", ("generate", 4)]
     )

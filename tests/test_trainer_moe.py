@@ -46,7 +46,7 @@ def _cases(root: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[Path, list[dict]]:
-    root = make_assets(tmp_path_factory.mktemp("moe_assets"), moe=True)
+    root = make_assets(tmp_path_factory.mktemp("moe_assets"), arch="qwen3_moe")
     ranks = run_torchrun(REPO / "tests" / "dist" / "trainer_moe.py", 2, root / "out",
                          ["--config", str(REPO / "configs" / "demo_cpu.yaml"), "--cases", json.dumps(_cases(root))],
                          timeout=900)

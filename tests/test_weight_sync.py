@@ -118,7 +118,8 @@ def test_sync_after_changing_an_actor_shard(run):
 
 
 def test_benchmark_command_runs_on_a_tiny_model(tmp_path):
-    """`mppo bench weight-sync` end to end (spawns its own 4 ranks); a smoke test, it asserts no speed."""
+    """`mppo bench weight-sync` end to end (spawns its own 4 ranks), with the sync into a real sglang.Engine on the
+    CPU too (SGLang is installed by `make test`); a smoke test, it asserts no speed."""
     import json
     import os
     import subprocess
@@ -129,9 +130,10 @@ def test_benchmark_command_runs_on_a_tiny_model(tmp_path):
            "--kv-heads", "2", "--ffn", "128", "--vocab", "512", "--repeats", "1", "--memcpy-mb", "8",
            "--bucket-mb", "1", "--collective-all", "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "whole sync: push_actor_weights -> engine" in proc.stdout
+    assert "whole sync into SGLang (CPU tier, engine TP 1):" in proc.stdout
     result = json.loads(out.read_text())
     # 2 layers x (qkv w+b, o, gate, up, down, 2 norms) + embed + lm_head + final norm, fp32
     h, f, kv, v = 64, 128, 2 * 16, 512

@@ -11,6 +11,11 @@ same load) with one thread and with all threads.
 Where the time goes: the staged export alone (no engine), the engine's load when it must copy (tensors already in
 memory), and the same export by gloo collectives, to rank 0 and (--collective-all) to every rank as before staging.
 
+With SGLang installed (`--sglang`, on by default when it is), rank 0 also starts a real sglang.Engine (SGLang's
+CPU tier, engine TP 1) and the same sync is timed into it: the staged export, then SGLangRolloutEngine's
+flattened-bucket session (each bucket flattened into a fresh buffer, handed to SGLang's scheduler process as
+shared-memory tensors, loaded into its parameters).
+
 The CPU path only (CUDA is hidden from the ranks): on GPUs the sync is NCCL and SGLang's CUDA-IPC path, not this one.
 """
 from __future__ import annotations
@@ -44,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memcpy-mb", type=int, default=512, help="size of the tensor copied to measure memcpy")
     p.add_argument("--collective-all", action="store_true",
                    help="also time the export to every rank by collectives (the transport before staging; slow)")
+    p.add_argument("--sglang", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time the sync into a real sglang.Engine on CPU (default: when SGLang is installed)")
     p.add_argument("--json", type=Path, default=None, help="also write the measurements to this file")
     return p
 
@@ -145,7 +152,8 @@ def rank_main(rank: int, world: int, port: int, opts: dict, out_file: str) -> No
         for _ in iter_hf_weights(chunks, args, destinations=[0], **kwargs):
             pass
 
-    rows: dict[str, list[float]] = {k: [] for k in ("sync", "export", "collective", "collective_all", "load")}
+    rows: dict[str, list[float]] = {k: [] for k in ("sync", "export", "collective", "collective_all", "load",
+                                                     "sglang")}
     memcpy: dict[str, list[float]] = {"1": [], "all": []}
     nbytes = 0
     for _ in range(opts["repeats"]):
@@ -163,6 +171,8 @@ def rank_main(rank: int, world: int, port: int, opts: dict, out_file: str) -> No
             memcpy["all"].append(memcpy_bandwidth(opts["memcpy_mb"] << 20, _cpu_threads()))
         dist.barrier()
     sync()  # the engine ends on synced weights, as a trainer's would
+    if opts["sglang"]:
+        rows["sglang"] = _time_sglang(rank, chunks, args, bucket, opts)
     if rank == 0:
         Path(out_file).write_text(json.dumps({
             "bytes": nbytes, "raw_seconds": rows, "raw_memcpy_Bps": memcpy,
@@ -172,6 +182,30 @@ def rank_main(rank: int, world: int, port: int, opts: dict, out_file: str) -> No
     release_staging_buffers()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _time_sglang(rank: int, chunks, args, bucket: int, opts: dict) -> list[float]:
+    """Seconds of each repeat of the whole sync into a real sglang.Engine on rank 0 (after one warm-up sync)."""
+    import torch.distributed as dist
+
+    from mppo.rollout.weight_sync import push_actor_weights
+
+    engine = None
+    if rank == 0:
+        from mppo.rollout.sglang_engine import SGLangRolloutEngine
+
+        model_dir = Path(opts["tmp"]) / "sglang_model"
+        model_dir.mkdir(exist_ok=True)
+        (model_dir / "config.json").write_text(json.dumps(opts["config"]))  # SGLang reads only the config
+        engine = SGLangRolloutEngine(str(model_dir), gpu_memory_utilization=0.3, dtype="float32", on_cpu=True,
+                                     max_total_tokens=4096, log_path=Path(opts["tmp"]) / "sglang.log",
+                                     name="the benchmark's engine")
+    dist.barrier()
+    push_actor_weights(engine, chunks, args, bucket)  # warm-up
+    seconds = [_timed(lambda: push_actor_weights(engine, chunks, args, bucket)) for _ in range(opts["repeats"])]
+    if engine is not None:
+        engine.shutdown()
+    return seconds
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -201,7 +235,8 @@ def render(result: dict, all_threads: int) -> str:
              line("  export only, shared-memory staging (auto)", "export"),
              line("  engine load by copying (stream in RAM)", "load"),
              line("export to rank 0 by gloo collectives", "collective"),
-             line("export to every rank by gloo collectives", "collective_all")]
+             line("export to every rank by gloo collectives", "collective_all"),
+             line("whole sync into a real sglang.Engine (CPU, TP 1)", "sglang")]
     return "\n".join(lines)
 
 
@@ -218,10 +253,14 @@ def main(argv: list[str] | None = None) -> int:
 
     all_threads = _cpu_threads()
     world = opts.tp * opts.pp
-    rank_opts = dict(tp=opts.tp, pp=opts.pp, bucket_mb=opts.bucket_mb, repeats=opts.repeats,
-                     threads_per_rank=opts.threads_per_rank, memcpy_mb=opts.memcpy_mb, config=config,
-                     collective_all=opts.collective_all)
+    if opts.sglang is None:
+        import importlib.util
+
+        opts.sglang = importlib.util.find_spec("sglang") is not None
     with tempfile.TemporaryDirectory() as tmp:
+        rank_opts = dict(tp=opts.tp, pp=opts.pp, bucket_mb=opts.bucket_mb, repeats=opts.repeats,
+                         threads_per_rank=opts.threads_per_rank, memcpy_mb=opts.memcpy_mb, config=config,
+                         collective_all=opts.collective_all, sglang=opts.sglang, tmp=tmp)
         out_file = str(Path(tmp) / "rank0.json")
         mp.start_processes(rank_main, args=(world, _free_port(), rank_opts, out_file), nprocs=world,
                            start_method="spawn")
@@ -231,13 +270,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{config['intermediate_size']}, heads {opts.heads}/{opts.kv_heads}, vocab {opts.vocab}, fp32, untied "
           f"head: {result['bytes'] / 2 ** 20:.1f} MiB per sync")
     print(f"layout: tp {opts.tp} x pp {opts.pp} = {world} ranks (gloo, {opts.threads_per_rank} thread(s) each), "
-          f"CPURolloutEngine on rank 0, bucket {opts.bucket_mb} MiB, {opts.repeats} repeats")
+          f"CPURolloutEngine{' and a sglang.Engine' if opts.sglang else ''} on rank 0, bucket {opts.bucket_mb} MiB, "
+          f"{opts.repeats} repeats")
     print(f"memcpy on rank 0 between repeats (copy_ of {opts.memcpy_mb} MiB; bytes copied/s): "
           f"1 thread {mem1 / GB:.2f} GB/s, {all_threads} threads {mem_all / GB:.2f} GB/s\n")
     print(render(result, all_threads))
     rate = result["bytes"] / result["seconds"]["sync"]
     print(f"\nwhole sync: {rate / GB:.2f} GB/s = {rate / mem1:.0%} of 1-thread memcpy, {rate / mem_all:.0%} of "
           f"{all_threads}-thread memcpy (goal >= 50%)")
+    if "sglang" in result["seconds"]:
+        rate = result["bytes"] / result["seconds"]["sglang"]
+        print(f"whole sync into SGLang (CPU tier, engine TP 1): {rate / GB:.2f} GB/s = {rate / mem1:.0%} of 1-thread "
+              f"memcpy, {rate / mem_all:.0%} of {all_threads}-thread memcpy")
     if opts.json:
         opts.json.write_text(json.dumps({**result, "all_threads": all_threads, "options": rank_opts}, indent=1))
     return 0

@@ -75,13 +75,15 @@ class MegatronConfig:
     use_distributed_optimizer: Optional[bool] = None  # shard optimizer state over DP ranks (ZeRO-1)
     recompute: Optional[str] = field(default=None, metadata={"choices": RECOMPUTE})  # activation recomputation
     seed: Optional[int] = None  # model-parallel RNG seed (init, dropout); actor: null = trainer.seed
+    param_offload: Optional[bool] = None  # params + grad buffers in host memory while the rollout generates
+    optimizer_offload: Optional[bool] = None  # optimizer state in host memory while the rollout generates
 
 
 def actor_megatron_defaults() -> MegatronConfig:
     return MegatronConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                           virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
-                          use_distributed_optimizer=True,
-                          recompute="none", seed=None)
+                          use_distributed_optimizer=True, recompute="none", seed=None, param_offload=False,
+                          optimizer_offload=False)
 
 
 @dataclass
@@ -155,6 +157,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # fraction of GPU memory the engine reserves (SGLang mem_fraction_static)
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # samples per old-log-prob forward; null: actor's micro
     weight_bucket_mb: int = 512  # MiB per bucket when streaming weights to the engine
+    free_cache_engine: bool = True  # release the engine's weights + KV cache while the trainer trains
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)  # sampling for validation
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # agent loop with tools
 
@@ -309,7 +312,7 @@ class MppoConfig:
 ACTOR = "actor_rollout_ref.actor"
 MEGATRON_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "virtual_pipeline_model_parallel_size", "expert_model_parallel_size", "use_distributed_optimizer",
-                 "recompute", "seed")
+                 "recompute", "seed", "param_offload", "optimizer_offload")
 
 # key -> parent key: a null key takes its parent's (resolved) value. critic.enable is resolved separately
 # (from the estimator), see resolve().

@@ -262,6 +262,20 @@ def _check_algorithm(cfg: MppoConfig) -> None:
                       "responses; set val_kwargs.do_sample=true or val_kwargs.n=1", ConfigWarning, 3)
 
 
+# --------------------------------------------------------------------------------------------------------- rollout
+def _check_rollout_layout(cfg: MppoConfig) -> None:
+    """Rollout groups are `rollout.tensor_model_parallel_size` consecutive ranks of one node (mppo.rollout.factory);
+    the world is nnodes x n_gpus_per_node (checked by _world), so groups that divide a node divide the world."""
+    rollout, n_per_node = cfg.actor_rollout_ref.rollout, cfg.trainer.n_gpus_per_node
+    tp, key = rollout.tensor_model_parallel_size, f"{ROLLOUT}.tensor_model_parallel_size"
+    if rollout.name == "cpu" and tp != 1:
+        raise _fail(key, tp, "the CPU engine has no tensor parallelism (every rank runs one engine and generates "
+                    "its share of the prompts)", "set it to 1")
+    if n_per_node % tp:
+        raise _fail(key, tp, f"an engine must live within one node of {n_per_node} ranks (trainer.n_gpus_per_node)",
+                    f"use a divisor of {n_per_node}")
+
+
 # ------------------------------------------------------------------------------------------------ dynamic sampling
 def _check_dynamic_sampling(cfg: MppoConfig, dp: int) -> None:
     fg, tbs, gen = cfg.algorithm.filter_groups, cfg.data.train_batch_size, cfg.data.gen_batch_size
@@ -409,10 +423,7 @@ def validate(cfg: MppoConfig, world_size: int | None = None) -> None:
     _check_algorithm(cfg)
     _check_rollout_correction(cfg)
     world, world_text = _world(cfg, world_size)
-    n_per_node, rollout_tp = cfg.trainer.n_gpus_per_node, cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
-    if n_per_node % rollout_tp:
-        raise _fail(f"{ROLLOUT}.tensor_model_parallel_size", rollout_tp, f"an engine must live within one node of "
-                    f"{n_per_node} ranks (trainer.n_gpus_per_node)", f"use a divisor of {n_per_node}")
+    _check_rollout_layout(cfg)
     actor_dp = _data_parallel_size(cfg, ACTOR, world, world_text)
     _check_batches(cfg, ACTOR, actor_dp)
     _check_dynamic_sampling(cfg, actor_dp)

@@ -65,13 +65,17 @@ def _candidates(cfg: MppoConfig, a: HFModelArgs, p: Plan, world: int) -> list[tu
     if world % (tp * 2 * pp) == 0 and a.num_layers % (2 * pp * vpp) == 0:
         out.append(({f"{MEGATRON[lay.role]}.pipeline_model_parallel_size": 2 * pp for lay in lays},
                     "split the layers over twice as many pipeline stages"))
-    if not p.rollout.fits and p.rollout.engine == "sglang":
-        kv = p.rollout.sequences_per_engine * p.rollout.sequence_len * p.rollout.kv_bytes_per_token
-        need = (p.rollout.weights + kv) / max(1.0, p.device.memory_bytes - p.rollout.resident)
+    r = p.rollout
+    if not r.fits and r.engine == "sglang":
+        kv = r.sequences_per_engine * r.sequence_len * r.kv_bytes_per_token
+        need = (r.weights + kv) / max(1.0, r.device_memory - r.resident)
         fraction = round(min(MAX_ENGINE_FRACTION, math.ceil(need * 100) / 100), 2)
-        if fraction > p.rollout.gpu_memory_utilization:
+        if fraction > r.gpu_memory_utilization:
             out.append(({f"{ROLLOUT}.gpu_memory_utilization": fraction},
                         "let the engine fill more of the GPU (its KV cache is what is left of that share)"))
+        out.append(({f"{MEGATRON[lay.role]}.{key}": True for lay in lays if lay.trains
+                     for key in ("param_offload", "optimizer_offload")},
+                    "move the training state to host memory while the engine generates (a larger KV cache)"))
     return out
 
 
@@ -86,7 +90,8 @@ def suggestions(cfg: MppoConfig, a: HFModelArgs, p: Plan, **plan_kwargs: Any) ->
             tried = plan(trial, a, suggest=False, model_name=p.model, **plan_kwargs)
         except PlanError:
             continue
-        if tried.training_peak >= p.training_peak and tried.rollout.kv_tokens <= p.rollout.kv_tokens:
+        if (tried.training_peak >= p.training_peak and tried.rollout.kv_tokens <= p.rollout.kv_tokens
+                and tried.rollout.peak >= p.rollout.peak):
             continue  # does not help
         try:
             with warnings.catch_warnings():

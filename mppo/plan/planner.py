@@ -1,12 +1,14 @@
 """`plan(cfg, hf_args, device_memory_bytes) -> Plan`: per-GPU memory, fit verdict, knobs and step time of a config.
 
-Two phases share each GPU (co-located design): TRAINING, where the rollout engine has released its memory and the
-actor, critic and reference state plus the largest activation working set must fit; and ROLLOUT, where the
-training state stays resident and SGLang sizes its KV cache from the memory that was free when it started
-(`gpu_memory_utilization` is SGLang's mem_fraction_static: KV = free_before_load x fraction - engine weights,
-the rest of the free memory is left for its activations and CUDA graphs). That assumes the engine starts after
-the training models are built. The reported figures are those of the worst rank (pipeline stage); every rank of
-a stage holds the same.
+Two phases share each GPU (co-located design, the sequence of mppo.rollout.factory): TRAINING, where the rollout
+engine has released its memory (rollout.free_cache_engine; otherwise it keeps it) and the actor, critic and
+reference state plus the largest activation working set must fit; and ROLLOUT, where the engine holds its weights
+and KV cache and the training state stays on the GPU except what `<role>.megatron.param_offload` (weights + grad
+buffers) and `optimizer_offload` move to host memory. The trainer starts the engines after building the models,
+with that state offloaded, so SGLang sizes its KV cache from the memory free in every rollout phase
+(`gpu_memory_utilization` is SGLang's mem_fraction_static: KV = free_at_start x fraction - engine weights, the
+rest of the free memory is left for its activations and CUDA graphs). The reported figures are those of the
+worst rank (pipeline stage); every rank of a stage holds the same. On the CPU nothing is released or offloaded.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mppo.config import MppoConfig, resolve
+from mppo.config import MppoConfig, get_key, resolve
 from mppo.config.decisions import old_log_prob_pass
 from mppo.models.hf_config import HFModelArgs
 from mppo.plan import memory as mem
@@ -51,12 +53,16 @@ class RolloutPlan:
     engine_tp: int
     engines: int
     gpu_memory_utilization: float  # SGLang: share of the memory free at its start; CPU engine: share of the rank's
-    resident: float  # training state + runtime reserve on the worst rank while the engine runs
+    resident: float  # training state kept on the device + runtime reserve on the worst rank while the engine runs
+    offloaded: float  # training state moved to host memory for the rollout (param_offload / optimizer_offload)
     weights: float  # engine weight shard per GPU
     kv_cache: float  # bytes per GPU (negative: the engine cannot start)
     kv_bytes_per_token: int
     sequence_len: int
     sequences_per_engine: int
+    peak: float  # device bytes in use while the engine generates (resident + the engine's share)
+    device_memory: int
+    held_during_training: float  # engine bytes that stay allocated while the trainer trains (free_cache_engine off)
 
     @property
     def kv_tokens(self) -> int:
@@ -68,7 +74,7 @@ class RolloutPlan:
 
     @property
     def fits(self) -> bool:
-        return self.concurrent_sequences >= 1
+        return self.concurrent_sequences >= 1 and self.peak <= self.device_memory
 
 
 @dataclass(frozen=True)
@@ -116,7 +122,7 @@ class Plan:
 
     @property
     def training_peak(self) -> float:
-        return self.resident + max(self.training_phases.values())
+        return self.resident + self.rollout.held_during_training + max(self.training_phases.values())
 
     @property
     def peak_phase(self) -> str:
@@ -275,7 +281,8 @@ def plan(cfg: MppoConfig, hf_args: HFModelArgs, device_memory_bytes: int | None 
     logprob = LogProbPlan(arr.actor.logprob_impl, lp_tokens,
                           fused_bytes=mem.logprob_bytes(hf_args, actor.tp, lp_tokens, prec, True),
                           naive_bytes=mem.logprob_bytes(hf_args, actor.tp, lp_tokens, prec, False))
-    rollout = _rollout(cfg, hf_args, spec, resident + reserve, world, seq)
+    kept, offloaded = _kept_during_rollout(cfg, roles, on_gpu)
+    rollout = _rollout(cfg, hf_args, spec, kept + reserve, offloaded, world, seq)
     step = _step_time(cfg, hf_args, layouts, rollout, spec, world, mfu) if spec.peak_flops else None
     result = Plan(model=model_name or hf_args.model_type, params=mem.total_params(hf_args), device=spec, dtype=dtype,
                   attention="flash (Transformer Engine or SDPA)" if flash else "unfused (local spec)", world=world,
@@ -311,23 +318,45 @@ def cpu_device(ranks_per_node: int) -> DeviceSpec:
     return DeviceSpec(f"CPU rank (host RAM / {ranks_per_node} ranks)", ram // max(1, ranks_per_node), None, None)
 
 
-def _rollout(cfg: MppoConfig, a: HFModelArgs, spec: DeviceSpec, resident: float, world: int, seq: int
-             ) -> RolloutPlan:
+def _kept_during_rollout(cfg: MppoConfig, roles: list[RolePlan], on_gpu: bool) -> tuple[float, float]:
+    """(training state bytes that stay on the device while the engine generates, bytes offloaded to host) of the
+    reported stage. param_offload moves weights + grad buffers, optimizer_offload the optimizer state; both do
+    nothing on the CPU, where the state is in host memory already (mppo.workers.offload)."""
+    kept = offloaded = 0.0
+    for r in roles:
+        m = get_key(cfg, MEGATRON[r.layout.role])
+        out = 0.0
+        if on_gpu and m.param_offload:
+            out += r.state.weights + r.state.grads
+        if on_gpu and m.optimizer_offload:
+            out += r.state.optimizer
+        kept += r.state.total - out
+        offloaded += out
+    return kept, offloaded
+
+
+def _rollout(cfg: MppoConfig, a: HFModelArgs, spec: DeviceSpec, resident: float, offloaded: float, world: int,
+             seq: int) -> RolloutPlan:
     r = cfg.actor_rollout_ref.rollout
     tp = r.tensor_model_parallel_size
     engines = max(1, world // tp)
     per_engine = math.ceil(cfg.data.train_batch_size * r.n / engines)
-    if r.name == "sglang":  # bf16 weights and KV; the pool fills the device up to the fraction
+    if r.name == "sglang":  # bf16 weights and KV; the pool fills the free memory up to the fraction
         weights = mem.engine_weight_bytes(a, tp, 2)
         kv_token = mem.kv_bytes_per_token(a, tp, 2)
-        kv = r.gpu_memory_utilization * (spec.memory_bytes - resident) - weights
-        fraction = r.gpu_memory_utilization
+        share = r.gpu_memory_utilization * (spec.memory_bytes - resident)
+        kv = share - weights
+        fraction, peak = r.gpu_memory_utilization, resident + share
+        held = 0.0 if r.free_cache_engine else share
     else:  # the CPU engine: fp32 weights, a KV cache only for the batch it generates
         weights = mem.engine_weight_bytes(a, tp, 4)
         kv_token = mem.kv_bytes_per_token(a, tp, 4)
         kv = per_engine * seq * kv_token
-        fraction = (resident + weights + kv) / spec.memory_bytes
-    return RolloutPlan(r.name, tp, engines, fraction, resident, weights, kv, kv_token, seq, per_engine)
+        peak = resident + weights + kv
+        fraction = peak / spec.memory_bytes
+        held = 0.0 if r.free_cache_engine else weights
+    return RolloutPlan(r.name, tp, engines, fraction, resident, offloaded, weights, kv, kv_token, seq, per_engine,
+                       peak, spec.memory_bytes, held)
 
 
 def _step_time(cfg: MppoConfig, a: HFModelArgs, layouts: list[mem.RoleLayout], rollout: RolloutPlan,

@@ -74,7 +74,11 @@ def render_text(p: Plan) -> str:
     for name, note, value in rows:
         add(f"  {name:<18} {size(value):>10}  {note}")
     add(f"  {'resident':<18} {size(p.resident):>10}")
-    add("training phase (the engine has released its memory): working set on top of the resident state")
+    if roll.held_during_training:
+        add(f"training phase (the engine keeps {size(roll.held_during_training)}: rollout.free_cache_engine=false): "
+            "working set on top of the resident state and the engine")
+    else:
+        add("training phase (the engine has released its memory): working set on top of the resident state")
     for r in p.roles:
         if r.layout.trains:
             lay = r.layout
@@ -108,17 +112,19 @@ def render_text(p: Plan) -> str:
 def _rollout_text(p: Plan) -> str:
     r = p.rollout
     if r.engine == "sglang":
-        free = p.device.memory_bytes - r.resident
+        free = r.device_memory - r.resident
         head = (f"rollout phase (SGLang takes gpu_memory_utilization {r.gpu_memory_utilization:g} of the {gib(free)} "
                 f"GiB the training state leaves free = {gib(r.gpu_memory_utilization * free)} GiB)")
     else:
         head = f"rollout phase (CPU engine: {r.gpu_memory_utilization:.0%} of the rank's memory)"
     kv = (f"{gib(r.kv_cache)} GiB = {r.kv_tokens / 1e3:.0f}k tokens = {r.concurrent_sequences} sequences at once"
           if r.kv_cache > 0 else f"none ({gib(r.kv_cache)} GiB): the engine cannot start")
+    kept = (f"training state kept {gib(r.resident)} GiB (offloaded to host: {gib(r.offloaded)} GiB)" if r.offloaded
+            else f"training state kept {gib(r.resident)} GiB (nothing offloaded)")
     waves = math.ceil(r.sequences_per_engine / r.concurrent_sequences) if r.concurrent_sequences else 0
-    return (f"{head}\n  resident {gib(r.resident)} GiB + engine weights (TP{r.engine_tp}) {gib(r.weights)} GiB + "
-            f"KV cache {kv}\n  each engine generates {r.sequences_per_engine} sequences per step"
-            + (f" in {waves} wave(s)" if waves else "") + f": {'fits' if r.fits else 'DOES NOT FIT'}")
+    return (f"{head}\n  {kept} + engine weights (TP{r.engine_tp}) {gib(r.weights)} GiB + KV cache {kv}\n  peak "
+            f"{gib(r.peak)} of {gib(r.device_memory)} GiB; each engine generates {r.sequences_per_engine} sequences "
+            f"per step" + (f" in {waves} wave(s)" if waves else "") + f": {'fits' if r.fits else 'DOES NOT FIT'}")
 
 
 def _step_text(p: Plan) -> str:

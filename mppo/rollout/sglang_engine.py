@@ -18,17 +18,24 @@ Memory dance (mppo.rollout.base): update_weights() first resumes released weight
 (after the trainer offloaded its state), release() frees weights, KV cache and CUDA graphs.
 
 Stopping: SGLang also stops at the model config's eos ids, as the CPU engine does; pass the tokenizer's eos as
-stop_token_ids. sampling_seed is honoured only with enable_deterministic_inference, which the engine always sets
-(it also selects SGLang's batch-invariant kernels, so DP layouts give the same samples).
+stop_token_ids. sampling_seed is honoured only with enable_deterministic_inference, which the engine sets on GPUs
+(it also selects SGLang's batch-invariant kernels, so any rollout split gives the same samples). On the CPU
+(`on_cpu=True`, mppo.rollout.sglang_cpu) SGLang has neither deterministic inference nor the memory saver: seeds
+are ignored and release() frees nothing; that module says exactly what holds there.
+
+Start-up failures become one EngineStartError (mppo.rollout.sglang_startup), with SGLang's output in `log_path`.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from mppo.rollout.base import NamedTensor, RolloutEngine, RolloutResponse, SamplingParams
+from mppo.rollout.sglang_startup import start_engine
 from mppo.rollout.sglang_protocol import (
     RELEASE_TAGS,
     RESUME_KV_TAGS,
@@ -44,6 +51,8 @@ from mppo.rollout.sglang_protocol import (
 )
 
 T = TypeVar("T")
+# How long release() waits for SGLang's scheduler to retire the last generate's batch (normally milliseconds).
+RELEASE_IDLE_TIMEOUT_S = 60.0
 
 
 class RolloutGroup:
@@ -95,10 +104,15 @@ class SGLangRolloutEngine(RolloutEngine):
         seed: int = 0,
         server_args: dict[str, Any] | None = None,
         api: SGLangAPI | None = None,
+        on_cpu: bool = False,
+        max_total_tokens: int | None = None,
+        log_path: Path | None = None,
+        name: str = "the rollout engine",
     ) -> None:
         super().__init__()
-        self._api = api if api is not None else load_sglang_api()
+        self._api = api if api is not None else load_sglang_api(on_cpu=on_cpu)
         self._group = RolloutGroup(tp_group)
+        self.on_cpu = on_cpu
         kwargs = engine_server_args(
             model_path,
             tp_size=self._group.size,
@@ -107,9 +121,31 @@ class SGLangRolloutEngine(RolloutEngine):
             base_gpu_id=base_gpu_id,
             seed=seed,
             extra=server_args,
+            on_cpu=on_cpu,
+            max_total_tokens=max_total_tokens,
         )
         # The sglang.Engine on the driver; None on the other ranks of the group.
-        self._engine: Any = self._on_driver(lambda: self._api.engine_cls(**kwargs), share_result=False)
+        self._engine: Any = self._on_driver(
+            lambda: start_engine(self._api.engine_cls, kwargs, log_path=log_path, what=name, on_cpu=on_cpu),
+            share_result=False)
+
+    @property
+    def is_driver(self) -> bool:
+        """This rank drives the group's sglang.Engine (the group's first rank)."""
+        return self._group.is_driver
+
+    def get_weight(self, hf_name: str) -> torch.Tensor | None:
+        """The engine's current value of one HF-named weight, as fp32, on every rank of the group (collective).
+
+        For checks (it goes through SGLang's get_weights_by_name, a Python list of floats): exact for fp32 and
+        bf16 weights. None where SGLang's model class has no get_weights_by_name (Qwen2ForCausalLM in 0.5.23).
+        """
+
+        def read() -> torch.Tensor | None:
+            values = self._engine.get_weights_by_name(hf_name, truncate_size=1 << 62)
+            return None if values is None else torch.tensor(values, dtype=torch.float32)
+
+        return self._on_driver(read)
 
     def shutdown(self) -> None:
         """Stop the SGLang engine's processes (collective)."""
@@ -186,7 +222,21 @@ class SGLangRolloutEngine(RolloutEngine):
 
     # ---- memory -----------------------------------------------------------------------------------------------
     def _release_memory(self) -> None:
-        self._on_driver(lambda: self._engine.release_memory_occupation(tags=RELEASE_TAGS))
+        self._on_driver(self._release_when_idle)
+
+    def _release_when_idle(self) -> None:
+        """release_memory_occupation once SGLang's scheduler is idle. Its generate() returns as soon as the outputs
+        are out, but the scheduler may not yet have retired the finished batch (its overlap loop processes a
+        batch's results one iteration later), and release_memory_occupation asserts idleness: the scheduler
+        process dies. flush_cache checks the same condition without failing (and empties the radix cache, which
+        a release discards anyway), so it is retried until it succeeds."""
+        deadline = time.monotonic() + RELEASE_IDLE_TIMEOUT_S
+        while not _succeeded(self._engine.flush_cache()):
+            if time.monotonic() > deadline:
+                raise SGLangError(f"SGLang's scheduler was not idle {RELEASE_IDLE_TIMEOUT_S:.0f} s after generate "
+                                  "returned; cannot release its memory")
+            time.sleep(0.01)
+        self._engine.release_memory_occupation(tags=RELEASE_TAGS)
 
     def _resume_weight_memory(self) -> None:
         self._on_driver(lambda: self._engine.resume_memory_occupation(tags=RESUME_WEIGHT_TAGS))
@@ -218,3 +268,8 @@ class SGLangRolloutEngine(RolloutEngine):
         if shared[1] is not None:
             raise SGLangError(f"the rollout-TP group's driver rank {self._group.driver_rank} failed: {shared[1]}")
         return result if self._group.is_driver else shared[0]
+
+
+def _succeeded(result: Any) -> bool:
+    """An SGLang control call's success flag ((success, message) tuple or .success)."""
+    return bool(result[0] if isinstance(result, tuple) else getattr(result, "success", False))

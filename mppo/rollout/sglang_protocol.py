@@ -26,7 +26,8 @@ from mppo.rollout.seeding import sample_seed
 
 # 0.5.23 introduced begin/end_weight_update sessions (updates outside one fail) and multi-dtype flattened buckets.
 SUPPORTED_SGLANG = ">=0.5.23,<0.6"
-INSTALL_HINT = f"pip install 'mppo[gpu]' (or pip install 'sglang{SUPPORTED_SGLANG}')"
+INSTALL_HINT = (f"pip install 'mppo[gpu]' (or pip install 'sglang{SUPPORTED_SGLANG}'); on a machine without GPUs "
+                "`make sglang` installs SGLang's CPU tier")
 
 # Server arguments the engine's contract depends on; a user override would silently break it.
 _FIXED_SERVER_ARGS = {
@@ -35,6 +36,8 @@ _FIXED_SERVER_ARGS = {
     "enable_memory_saver": True,  # needed by release/resume_memory_occupation
     "enable_deterministic_inference": True,  # without it SGLang ignores sampling_seed; also batch-invariant kernels
 }
+# On the CPU the memory saver and deterministic inference are unavailable; mppo.rollout.sglang_cpu says why and
+# what that changes (release frees nothing, sampling_seed is ignored).
 RELEASE_TAGS = ["kv_cache", "weights", "cuda_graph"]
 RESUME_WEIGHT_TAGS = ["weights"]
 RESUME_KV_TAGS = ["kv_cache", "cuda_graph"]
@@ -59,13 +62,24 @@ def check_sglang_version(version: str) -> None:
         raise ImportError(f"mppo's SGLang rollout needs sglang{SUPPORTED_SGLANG}, found sglang {version}: {INSTALL_HINT}")
 
 
-def load_sglang_api() -> SGLangAPI:
-    """Import SGLang lazily (it is a GPU-only package) after checking its version."""
+def installed_sglang_version() -> str:
+    """The installed SGLang's version, checked against SUPPORTED_SGLANG (ImportError naming the fix otherwise)."""
     try:
         version = importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:
         raise ImportError(f"the SGLang rollout engine needs SGLang, which is not installed: {INSTALL_HINT}") from None
     check_sglang_version(version)
+    return version
+
+
+def load_sglang_api(*, on_cpu: bool = False) -> SGLangAPI:
+    """Import SGLang lazily (it is a GPU-only package) after checking its version. `on_cpu`: SGLang will run on the
+    CPU (mppo.rollout.sglang_cpu puts its stand-ins in place first)."""
+    version = installed_sglang_version()
+    if on_cpu:
+        from mppo.rollout import sglang_cpu
+
+        sglang_cpu.activate()
     import sglang
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
@@ -85,12 +99,26 @@ def engine_server_args(
     base_gpu_id: int,
     seed: int,
     extra: dict[str, Any] | None = None,
+    on_cpu: bool = False,
+    max_total_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments for sglang.Engine. `model_path` is an HF directory; only its config is read."""
+    """Keyword arguments for sglang.Engine. `model_path` is an HF directory; only its config is read.
+
+    `on_cpu`: SGLang's CPU tier (mppo.rollout.sglang_cpu.CPU_SERVER_ARGS replace the memory saver and deterministic
+    inference). `max_total_tokens` caps the KV pool (on the CPU the pool is host memory; None: SGLang sizes it from
+    `gpu_memory_utilization`).
+    """
     if not 0.0 < gpu_memory_utilization < 1.0:
         raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1), got {gpu_memory_utilization}")
+    fixed = dict(_FIXED_SERVER_ARGS)
+    if on_cpu:
+        from mppo.rollout.sglang_cpu import CPU_SERVER_ARGS
+
+        fixed.update(CPU_SERVER_ARGS)
+    if max_total_tokens is not None:
+        fixed["max_total_tokens"] = int(max_total_tokens)
     extra = dict(extra or {})
-    clashes = sorted(set(extra) & set(_FIXED_SERVER_ARGS))
+    clashes = sorted(set(extra) & set(fixed))
     if clashes:
         raise ValueError(f"SGLang server args {clashes} are fixed by mppo's rollout contract and cannot be overridden")
     args = {
@@ -101,7 +129,7 @@ def engine_server_args(
         "base_gpu_id": base_gpu_id,
         "random_seed": seed,
         "log_level": "error",
-        **_FIXED_SERVER_ARGS,
+        **fixed,
     }
     args.update(extra)
     return args

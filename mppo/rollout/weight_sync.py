@@ -46,10 +46,13 @@ def engine_ranks(engine: RolloutEngine | None) -> list[int]:
 
 
 def push_actor_weights(engine: RolloutEngine | None, model_chunks: Sequence[nn.Module], hf_args: HFModelArgs,
-                       bucket_bytes: int, *, dtype: torch.dtype | None = None, transport: str = "auto") -> SyncStats:
+                       bucket_bytes: int, *, dtype: torch.dtype | None = None, transport: str = "auto",
+                       destinations: Sequence[int] | None = None) -> SyncStats:
     """Stream the actor's weights (HF names, full tensors, `bucket_bytes` buckets) into the engines.
 
     Collective over the actor's ranks: call it on every rank, with `engine=None` where this rank holds no engine.
+    `destinations`: the global ranks that receive full weights (mppo.rollout.factory passes every rank of every
+    rollout group); None: the ranks of this model-parallel group that hold an engine.
     `dtype` casts the exported tensors (e.g. bf16 for a bf16 engine); None keeps the parameter dtype. `transport`
     is iter_hf_weights' (auto: shared memory for gloo ranks on one host, else collectives).
     """
@@ -62,7 +65,8 @@ def push_actor_weights(engine: RolloutEngine | None, model_chunks: Sequence[nn.M
             yield bucket
 
     start = time.perf_counter()
-    destinations = engine_ranks(engine)
+    if destinations is None:
+        destinations = engine_ranks(engine)
     stream = counted(bucketed(iter_hf_weights(model_chunks, hf_args, dtype=dtype, destinations=destinations,
                                               transport=transport), bucket_bytes))
     if engine is None:

@@ -1,10 +1,10 @@
-"""Building a run's parts from its config: data, tokenizer, reward, rollout engine. The fit loop only wires them.
+"""Building a run's parts from its config: data, tokenizer, reward, sampling. The fit loop only wires them (the
+rollout engines come from mppo.rollout.factory).
 
 The checks here run before megatron is imported or a model is built, so bad input stops a run in seconds.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 from dataclasses import dataclass
@@ -17,7 +17,7 @@ from mppo.config import ConfigError, MppoConfig
 from mppo.data import PromptLoader, RLDataset, load_tokenizer
 from mppo.errors import UserError
 from mppo.rewards import RewardManager, known_data_sources, resolve_compute_score
-from mppo.rollout.base import RolloutEngine, SamplingParams
+from mppo.rollout.base import SamplingParams
 
 log = logging.getLogger("mppo")
 
@@ -29,10 +29,6 @@ def require_path(value: str | None, key: str, hint: str) -> str:
     if not path.exists():
         raise ConfigError(f"{key}={value!r} does not exist; {hint}")
     return str(path)
-
-
-class MissingPackageError(UserError, ImportError):
-    """The config asks for a feature whose (GPU-only) package is not installed."""
 
 
 class VocabMismatchError(UserError, ValueError):
@@ -59,15 +55,13 @@ def model_facts(model_path: str) -> dict[str, Any]:
 
 
 def check_gpu_packages(cfg: MppoConfig) -> None:
-    """Stop at start-up when the config asks for a GPU package that is missing (named with its install line)."""
+    """Stop at start-up when the config asks for a GPU package that is missing or of the wrong version (named with
+    its install line): Transformer Engine, the rollout engine's package."""
     from mppo.models.spec import resolve_transformer_impl
+    from mppo.rollout.factory import check_rollout_setup
 
     resolve_transformer_impl(cfg.actor_rollout_ref.model.transformer_impl)  # raises MissingGpuPackageError
-    if cfg.actor_rollout_ref.rollout.name == "sglang" and importlib.util.find_spec("sglang") is None:
-        from mppo.rollout.sglang_protocol import INSTALL_HINT
-
-        raise MissingPackageError(f"actor_rollout_ref.rollout.name=sglang needs SGLang, which is not installed: "
-                                  f"{INSTALL_HINT}; or use actor_rollout_ref.rollout.name=cpu")
+    check_rollout_setup(cfg)
 
 
 def check_models(cfg: MppoConfig) -> None:
@@ -168,17 +162,3 @@ def val_sampling(cfg: MppoConfig, tokenizer: Any) -> SamplingParams:
                           seed=cfg.trainer.seed, do_sample=v.do_sample,
                           # veRL sets ignore_eos on the engine, so validation requests run to the limit too
                           ignore_eos=cfg.actor_rollout_ref.rollout.ignore_eos)
-
-
-def build_engine(cfg: MppoConfig, device: torch.device) -> RolloutEngine:
-    """The rollout engine for this rank's model-parallel group (called on the group's leader rank only)."""
-    name = cfg.actor_rollout_ref.rollout.name
-    model_path = cfg.actor_rollout_ref.model.path
-    if name == "cpu":
-        from transformers import AutoConfig
-
-        from mppo.rollout.cpu_engine import CPURolloutEngine
-
-        return CPURolloutEngine(AutoConfig.from_pretrained(model_path))
-    raise ConfigError(f"actor_rollout_ref.rollout.name={name!r} is not wired into the trainer yet; "
-                      "use actor_rollout_ref.rollout.name=cpu")

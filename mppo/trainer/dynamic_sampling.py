@@ -86,8 +86,7 @@ class DynamicSampler:
         trainer, io = self.trainer, self.trainer.io
         kept_parts, filtered_parts, num_kept, num_filtered, errors, gen = [], [], 0, 0, 0.0, 0
         while True:
-            local, offset = io.dp_slice(prompts)
-            batch = trainer.rollout(local, offset + gen * self.gen_batch_size)
+            batch = trainer.train_rollout(prompts, gen * self.gen_batch_size)
             errors += float(all_gather_rows(batch.pop("reward_errors"), io.dp_group).sum())
             batch["uid"] = batch["uid"] + gen * self.dataset_size
             full = {k: all_gather_rows(v.cpu(), io.dp_group) for k, v in batch.items()}

@@ -7,10 +7,12 @@ On-policy steps (one epoch over one mini-batch) skip the separate old-log-prob p
 log-probs before the actor update: the update's own forward is the old policy's, so it supplies them
 (`actor.reuse_on_policy_log_prob`, see `old_log_prob_reuse`).
 
-Every rank runs this same program (SPMD). The global prompt batch is split over data-parallel (DP) ranks; within a
-model-parallel group (the TP×PP ranks of one DP index) the first rank drives the rollout engine and shares the
-results. Advantages are computed on the whole global batch, gathered over DP, so batch-wide statistics (GAE
-whitening, GRPO groups, the KL controller) are exactly veRL's whatever the layout.
+Every rank runs this same program (SPMD). Rollout goes through mppo.rollout.factory's `Rollout` (engines on
+rollout groups independent of the trainer's layout, and the memory choreography around generation); the trainer
+keeps its data-parallel (DP) rows of the global responses, and within a model-parallel group (the TP×PP ranks of
+one DP index) the first rank scores them and shares the batch. Advantages are computed on the whole global batch,
+gathered over DP, so batch-wide statistics (GAE whitening, GRPO groups, the KL controller) are exactly veRL's
+whatever the layout.
 """
 from __future__ import annotations
 
@@ -29,8 +31,7 @@ from mppo.config.decisions import old_log_prob_pass, old_log_prob_reuse
 from mppo.data.loader import PromptBatch
 from mppo.errors import UserError
 from mppo.parallel import collective_device
-from mppo.rollout import agent_loop
-from mppo.rollout.weight_sync import push_actor_weights
+from mppo.rollout.factory import Rollout, build_rollout
 from mppo.trainer import components, faults, remax, response_shaping, rollout_correction
 from mppo.trainer.dynamic_sampling import DynamicSampler
 from mppo.trainer.checkpoint import CheckpointManager
@@ -54,10 +55,16 @@ class NonFiniteUpdatesError(UserError, FloatingPointError):
 
 
 class PPOTrainer:
-    def __init__(self, cfg: MppoConfig) -> None:
+    """One run of `cfg`. `rollout`: a Rollout of this launch to use instead of starting engines (tests build several
+    trainers one after another on one set of engines, whose start-up is the slow part); it must have been built
+    for the same rollout config and model architecture, and its owner shuts it down. None: the trainer builds the
+    launch's Rollout and shuts it down at the end of fit()."""
+
+    def __init__(self, cfg: MppoConfig, rollout: Rollout | None = None) -> None:
         from mppo.parallel import init_distributed
         from mppo.workers.actor import ActorWorker
         from mppo.workers.critic import CriticWorker
+        from mppo.workers.offload import TrainerStateOffload
         from mppo.workers.reference import ReferenceWorker
         from mppo.workers.worker_checkpoint import load_worker_checkpoint, save_worker_checkpoint
 
@@ -72,11 +79,9 @@ class PPOTrainer:
         components.check_device(cfg)
         components.check_models(cfg)
         self.data = components.build_data(cfg)
-        if cfg.actor_rollout_ref.rollout.multi_turn.enable:  # the hermes format needs `</tool_call>` as one token
-            try:
-                agent_loop.tool_call_end_id(self.data.tokenizer)
-            except ValueError as err:
-                raise ConfigError(f"actor_rollout_ref.rollout.multi_turn.enable = true: {err}") from None
+        if cfg.actor_rollout_ref.rollout.multi_turn.enable:
+            raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable = true: the agent loop "
+                              "(mppo.rollout.agent_loop) is not wired into the rollout factory yet; set it to false")
         self.faults = faults.from_env()  # None unless MPPO_FAULT is set (tests)
         self.dims = init_distributed(mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size,
                                      mcfg.virtual_pipeline_model_parallel_size, ep=mcfg.expert_model_parallel_size,
@@ -126,7 +131,27 @@ class PPOTrainer:
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = core_algos.get_kl_controller(kc.type, kc.kl_coef, target_kl=kc.target_kl,
                                                     horizon=kc.horizon)
-        self.engine = components.build_engine(cfg, self.device) if self.io.is_leader else None
+        offload = [("actor", self.actor.model, self.actor.optimizer, mcfg.param_offload, mcfg.optimizer_offload)]
+        if self.critic is not None:
+            c = cfg.critic.megatron
+            offload.append(("critic", self.critic.model, self.critic.optimizer, c.param_offload, c.optimizer_offload))
+        if self.ref is not None:
+            offload.append(("ref", self.ref.model, None, arr.ref.megatron.param_offload, False))
+        self.trainer_state = TrainerStateOffload(offload, self.device)
+        # The engines start after the models, with the state that every rollout phase offloads already offloaded:
+        # SGLang sizes its KV cache from the memory free at its start, which is then what each rollout phase has.
+        # They are released at once, until the first weight sync.
+        self._owns_rollout = rollout is None
+        if rollout is None:
+            self.trainer_state.offload()
+            with self.watchdog.phase("start_rollout", 0):
+                rollout = build_rollout(cfg, device=self.device, dtype=self.actor.dtype,
+                                        log_dir=self.run_dir / "rollout")
+            self.trainer_state.reload()
+        elif (rollout.name, rollout.layout.engine_tp) != (arr.rollout.name, arr.rollout.tensor_model_parallel_size):
+            raise ValueError(f"the Rollout given is {rollout.name} with engine TP {rollout.layout.engine_tp}; this "
+                             f"config asks for {arr.rollout.name} with TP {arr.rollout.tensor_model_parallel_size}")
+        self.rollout = rollout
         self.train_sampling = components.train_sampling(cfg, self.data.tokenizer)
         self.val_sampling = components.val_sampling(cfg, self.data.tokenizer)
         # What the estimator declared it needs beyond rewards and mask (validation checked they can be produced).
@@ -174,35 +199,27 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ one step
     def sync_weights(self) -> dict[str, float]:
-        """Actor weights → engine, resharded to HF layout and streamed in buckets (a collective on every rank)."""
+        """Actor weights → every engine, resharded to HF layout and streamed in buckets; then trainer state offload
+        and the engines' KV cache back (mppo.rollout.factory). A collective on every rank; `release()` after."""
         bucket_bytes = self.cfg.actor_rollout_ref.rollout.weight_bucket_mb << 20
-        stats = push_actor_weights(self.engine, self.actor.model, self.actor.hf_args, bucket_bytes)
-        if self.engine is not None:
-            self.engine.resume()
+        stats = self.rollout.sync_weights(self.actor.model, self.actor.hf_args, bucket_bytes=bucket_bytes,
+                                          trainer_state=self.trainer_state)
         return {"perf/weight_sync_bytes": float(stats.bytes), "perf/weight_sync_gb_per_s": stats.bytes_per_s / 1e9}
 
-    def generate(self, prompts: PromptBatch, offset: int, sampling, step: int) -> dict[str, torch.Tensor]:
-        """Rollout on the group leader, scored there, broadcast to the model-parallel group."""
+    def generate(self, prompts: PromptBatch, first_index: int, sampling, step: int) -> dict[str, torch.Tensor]:
+        """Rollout of the GLOBAL `prompts` (global indices from `first_index`) over every engine; this DP rank's
+        rows are scored on its model-parallel leader and broadcast to the group."""
+        prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(prompts.input_ids, prompts.attention_mask)]
+        responses = self.rollout.generate(prompt_ids, sampling, step=step, first_index=first_index)
+        prompts, offset = self.io.dp_slice(prompts)
+        n = sampling.n
+        responses = responses[offset * n:(offset + len(prompts)) * n]
         batch = None
-        if self.engine is not None:
-            prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(prompts.input_ids, prompts.attention_mask)]
-            offsets = list(range(offset, offset + len(prompt_ids)))
-            multi_turn = self.cfg.actor_rollout_ref.rollout.multi_turn
-            if multi_turn.enable:
-                responses = agent_loop.generate_multi_turn(
-                    self.engine, prompt_ids, sampling, step=step, prompt_offsets=offsets, tokenizer=self.data.tokenizer,
-                    multi_turn=multi_turn, max_response_length=self.cfg.data.max_response_length)
-            else:
-                responses = self.engine.generate(prompt_ids, sampling, step=step, prompt_offsets=offsets)
-            batch = build_rollout_batch(prompts, responses, n=sampling.n,
-                                        max_response_length=self.cfg.data.max_response_length,
+        if self.io.is_leader:
+            batch = build_rollout_batch(prompts, responses, n=n, max_response_length=self.cfg.data.max_response_length,
                                         pad_token_id=self.data.tokenizer.pad_token_id)
-            n = sampling.n
-            # The reward reads the whole response, tool turns included (they are only out of the loss).
-            width = batch["responses"].shape[1]
-            reward_mask = batch["attention_mask"][:, -width:].float() if multi_turn.enable else batch["response_mask"]
             scores, reward_metrics = self.data.reward(
-                [p for p in prompts.raw_prompts for _ in range(n)], batch["responses"], reward_mask,
+                [p for p in prompts.raw_prompts for _ in range(n)], batch["responses"], batch["response_mask"],
                 [s for s in prompts.data_sources for _ in range(n)],
                 [g for g in prompts.ground_truths for _ in range(n)],
                 [e for e in prompts.extra_infos for _ in range(n)])
@@ -210,12 +227,13 @@ class PPOTrainer:
             batch["reward_errors"] = torch.tensor([reward_metrics.get("reward/errors", 0.0)])
         return self.io.broadcast_from_leader(batch)
 
-    def rollout(self, local_prompts: PromptBatch, offset: int) -> dict[str, torch.Tensor]:
-        """This rank's training rollout of its prompts (and ReMax's greedy baselines when the estimator needs them)."""
-        batch = self.generate(local_prompts, offset, self.train_sampling, self.step)
+    def train_rollout(self, prompts: PromptBatch, first_index: int) -> dict[str, torch.Tensor]:
+        """This DP rank's rows of the training rollout of the GLOBAL `prompts` (global indices from `first_index`),
+        scores shaped, with ReMax's greedy baselines when the estimator needs them."""
+        batch = self.generate(prompts, first_index, self.train_sampling, self.step)
         response_shaping.shape_scores(self.cfg, batch)
         if "reward_baselines" in self.estimator_needs:
-            batch["reward_baselines"] = remax.reward_baselines(self, local_prompts, offset, self.step)
+            batch["reward_baselines"] = remax.reward_baselines(self, prompts, first_index, self.step)
         return batch
 
     def train_step(self, prompts: PromptBatch,
@@ -230,9 +248,8 @@ class PPOTrainer:
                 if self.dynamic_sampler is not None:
                     batch, sampling_metrics = self.dynamic_sampler.collect(prompts, more_prompts)
                 else:
-                    batch, sampling_metrics = self.rollout(*self.io.dp_slice(prompts)), {}
-                if self.engine is not None:
-                    self.engine.release()
+                    batch, sampling_metrics = self.train_rollout(prompts, 0), {}
+                self.rollout.release()
             temperature = cfg.actor_rollout_ref.rollout.temperature
             rollout_metrics: dict[str, float] = {}
             if self.rollout_corr.bypass:  # rollout correction's bypass mode: the engine's log-probs are the old ones
@@ -360,6 +377,8 @@ class PPOTrainer:
             if (cfg.save_freq > 0 and self.step % cfg.save_freq == 0) or last:
                 self.save_checkpoint()
         bar.close()
+        if self._owns_rollout:
+            self.rollout.shutdown()
         self.watchdog.close()
         self.metrics.close()
         if self.is_main and self.metrics.path.exists():
@@ -433,7 +452,12 @@ _RESUME_FREE = ("trainer.total_epochs", "trainer.total_training_steps", "trainer
                 "trainer.logger", "trainer.max_ckpt_to_keep", "trainer.collective_timeout_s",
                 "trainer.val_before_train", "trainer.project_name", "trainer.experiment_name",
                 "trainer.resume_mode", "trainer.max_consecutive_skips", "trainer.default_local_dir",
-                "data.val_files", "data.val_batch_size", "actor_rollout_ref.actor.reuse_on_policy_log_prob")
+                "data.val_files", "data.val_batch_size", "actor_rollout_ref.actor.reuse_on_policy_log_prob",
+                # where memory goes around the rollout (the engine's share; offloads restore bitwise): what a run
+                # that ran out of memory changes before it resumes
+                "actor_rollout_ref.rollout.gpu_memory_utilization", "actor_rollout_ref.rollout.free_cache_engine",
+                *(f"{role}.megatron.{key}" for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+                  for key in ("param_offload", "optimizer_offload")))
 
 
 def _resume_config(cfg: MppoConfig) -> dict[str, Any]:

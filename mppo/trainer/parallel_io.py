@@ -1,8 +1,8 @@
 """How the SPMD ranks share work: DP slices of the prompt batch, and the model-parallel group's leader.
 
 Within one model-parallel group (the TP×PP ranks holding one model replica) only the leader (tp_rank 0, pp_rank 0)
-drives the rollout engine and scores responses; it broadcasts the resulting batch to the rest of its group, so every
-rank then runs the same log-prob and update passes on the same rows.
+scores its DP rows of the responses; it broadcasts the resulting batch to the rest of its group, so every rank then
+runs the same log-prob and update passes on the same rows. (Who generates is mppo.rollout.factory's business.)
 """
 from __future__ import annotations
 

@@ -23,9 +23,9 @@ def greedy_baseline_sampling(sampling: SamplingParams) -> SamplingParams:
     return replace(sampling, n=1, do_sample=False)
 
 
-def reward_baselines(trainer: "PPOTrainer", prompts: PromptBatch, offset: int, step: int) -> torch.Tensor:
-    """[B * n] fp32: the greedy response's reward of each of this rank's prompts, once per sampled response
-    (rows in the rollout batch's order: prompt-major, as `build_rollout_batch` lays them out)."""
-    baseline = trainer.generate(prompts, offset, greedy_baseline_sampling(trainer.train_sampling), step)
+def reward_baselines(trainer: "PPOTrainer", prompts: PromptBatch, first_index: int, step: int) -> torch.Tensor:
+    """[B * n] fp32: the greedy response's reward of each of this DP rank's prompts of the GLOBAL `prompts`, once
+    per sampled response (rows in the rollout batch's order: prompt-major, as `build_rollout_batch` lays them out)."""
+    baseline = trainer.generate(prompts, first_index, greedy_baseline_sampling(trainer.train_sampling), step)
     scores = baseline["token_level_scores"].sum(dim=-1).float()
     return scores.repeat_interleave(trainer.train_sampling.n)

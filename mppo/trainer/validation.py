@@ -27,14 +27,14 @@ def validate(trainer: "PPOTrainer", dataset: RLDataset) -> dict[str, float]:
     pad = trainer.data.tokenizer.pad_token_id
     for start in range(0, len(dataset) - len(dataset) % dp, batch_size):
         items = [dataset[i] for i in range(start, min(start + batch_size, len(dataset) - len(dataset) % dp))]
-        prompts, offset = io.dp_slice(collate(items, pad))
-        batch = trainer.generate(prompts, start + offset, trainer.val_sampling, step=trainer.step)
+        prompts = collate(items, pad)
+        batch = trainer.generate(prompts, start, trainer.val_sampling, step=trainer.step)
+        prompts, _ = io.dp_slice(prompts)
         n = trainer.val_sampling.n
         scores = batch["token_level_scores"].sum(-1).double()
         ids = torch.tensor([source_id[s] for s in prompts.data_sources for _ in range(n)])
         score_sum += torch.zeros_like(score_sum).index_add_(0, ids, scores)
         count += torch.zeros_like(count).index_add_(0, ids, torch.ones_like(scores))
-    if trainer.engine is not None:
-        trainer.engine.release()
+    trainer.rollout.release()
     totals = all_gather_rows(torch.stack([score_sum, count]).unsqueeze(0), io.dp_group).sum(0)
     return {f"val/test_score/{s}": (totals[0, i] / totals[1, i].clamp(min=1)).item() for s, i in source_id.items()}

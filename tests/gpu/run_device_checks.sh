@@ -28,12 +28,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 
 if [[ " $STAGES " == *" doctor "* ]]; then
   stage "mppo doctor"
-  timeout 90 "$PY" -m mppo doctor --json > "$OUT/doctor.json"; echo "doctor rc=$?"
+  # with SGLang installed the doctor also starts a real engine (its round trip): minutes, not seconds
+  timeout 300 "$PY" -m mppo doctor --json > "$OUT/doctor.json"; echo "doctor rc=$?"
   head -c 3000 "$OUT/doctor.json"; echo
 fi
 
 if [[ " $STAGES " == *" tests "* ]]; then
-  stage "GPU tests (megatron SDPA/local vs HF, actor throughput 0.5B/1.5B at 4k, trainer GPU vs CPU, kernels)"
+  # The SGLang trainer test in tests/gpu/test_gpu_trainer.py runs only when SGLang is installed (the device has no
+  # package index); with it, give the stage a call of its own (STAGES=tests, engine start-up is 20-60 s).
+  stage "GPU tests (megatron SDPA/local vs HF, actor 0.5B/1.5B at 4k, trainer GPU vs CPU and on SGLang, kernels)"
   # shellcheck disable=SC2086  # GPU_TESTS is a list of paths
   timeout 300 "$PY" -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu tests/test_kernels_triton.py} \
     --timeout=290 -o addopts="-ra --durations=10"

@@ -1,6 +1,7 @@
 """The whole PPO loop on one GPU (nccl, megatron actor/critic/ref on CUDA, Triton log-prob kernel) vs the same run
 on the CPU: the first step's metrics must agree (rollouts come from the CPU engine in both, so samples and scores
-are identical and the losses differ only by device arithmetic). Then GRPO in bf16 runs and stays finite."""
+are identical and the losses differ only by device arithmetic). Then GRPO in bf16 runs and stays finite, and, where
+SGLang is installed, PPO runs on a real SGLang engine on the GPU (CUDA IPC weight pushes, memory saver, offload)."""
 from __future__ import annotations
 
 import math
@@ -63,3 +64,28 @@ def test_grpo_bf16_on_gpu_runs(assets, tmp_path):
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean"):
             assert math.isfinite(m[step][key]), (step, key)
         assert m[step]["actor/grad_norm"] > 0, step
+
+
+def test_ppo_on_a_sglang_engine_on_gpu(assets, tmp_path):
+    """rollout.name=sglang on the GPU: a real sglang.Engine of TP 1 with the memory saver, weights pushed through
+    CUDA IPC every step, the trainer state offloaded while it generates; 3 PPO steps in bf16 whose rollouts come
+    from the weights the actor has (the engine's token probabilities match the actor's)."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed on this GPU machine (pip install 'mppo[gpu]')")
+    run = tmp_path / "sglang"
+    proc = train(tiny_overrides(assets, run, world=1, steps=3) + dense_reward(assets) + [
+        "actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.3", "actor_rollout_ref.model.dtype=bf16",
+        "actor_rollout_ref.actor.kernel_backend=triton", "actor_rollout_ref.actor.megatron.param_offload=true",
+        "actor_rollout_ref.actor.megatron.optimizer_offload=true"], gpu=True)
+    m = step_metrics(run)
+    report("trainer_ppo_sglang_gpu", {s: {k: v for k, v in m[s].items() if not k.startswith("timing")} for s in m}
+           | {"stderr_tail": proc.stderr[-2000:]})
+    assert sorted(m) == [0, 1, 2, 3]
+    for step in (1, 2, 3):
+        for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/score/mean"):
+            assert math.isfinite(m[step][key]), (step, key)
+        assert m[step]["actor/grad_norm"] > 0 and m[step]["perf/weight_sync_bytes"] > 0, step
+        assert m[step]["training/rollout_probs_diff_max"] < 0.1, step  # bf16 engine vs bf16 actor

@@ -1,0 +1,181 @@
+"""The trainer on a REAL sglang.Engine (SGLang's CPU tier), under torchrun with 2 ranks (tests/test_trainer_sglang.py).
+
+Engine start-up is the slow part (20-60 s), so one Rollout (two engines of TP 1: one per rank) serves four trainers
+built one after another (PPOTrainer's `rollout` argument): PPO (GAE + critic) and GRPO at trainer TP2, then at
+trainer DP2. Each runs `fit()` for 3 steps. Checked along the way, and written to out/rank{R}.json:
+- greedy rollouts of the same prompts at trainer TP2 and TP1 x DP2, with the same initial weights (equal);
+- sampled rollouts of the same request twice (SGLang's CPU tier ignores sampling_seed: they differ);
+- the engine's weights after a push against the exporter's HF tensors, every tensor (bitwise);
+- per step, the rollout's and the actor's token probabilities (veRL's rollout_probs_diff_max; the trainer's
+  metrics.jsonl has its own);
+- the SGLang calls and trainer-state offload calls of every phase, in order (the memory choreography);
+- trainer-state offload + reload on the CPU (forced on: the trainer skips it there): storage freed, then every
+  parameter and optimizer tensor bitwise back.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+
+def load(config: str, overrides: list[str]):
+    from mppo.config import load_config
+
+    return load_config(config, overrides, world_size=int(os.environ["WORLD_SIZE"]))
+
+
+def close(trainer) -> None:
+    from mppo.parallel import destroy
+
+    trainer.watchdog.close()
+    trainer.metrics.close()
+    destroy()
+
+
+def prompt_ids(trainer) -> list[list[int]]:
+    prompts = next(iter(trainer.data.train_loader))
+    return [row[mask.bool()].tolist() for row, mask in zip(prompts.input_ids, prompts.attention_mask)]
+
+
+def rollout_once(trainer, sampling) -> list[dict]:
+    trainer.sync_weights()
+    responses = trainer.rollout.generate(prompt_ids(trainer), sampling, step=0)
+    trainer.rollout.release()
+    return [{"tokens": r.token_ids, "log_probs": r.log_probs} for r in responses]
+
+
+def weights_vs_exporter(trainer) -> dict:
+    """Push, then compare every HF tensor the exporter streams with what this rank's engine holds (the actor's
+    state stays in place: the exporter reads it again)."""
+    from mppo.models.weights import iter_hf_weights
+
+    trainer.rollout.sync_weights(trainer.actor.model, trainer.actor.hf_args, bucket_bytes=1 << 20)
+    everyone = trainer.rollout.layout.destinations
+    compared, different, missing = 0, [], []
+    for name, tensor in iter_hf_weights(trainer.actor.model, trainer.actor.hf_args, destinations=everyone):
+        got = trainer.rollout.engine.get_weight(name)
+        if got is None:
+            missing.append(name)
+            continue
+        compared += 1
+        # SGLang may pad the vocabulary dimension of its embedding/head; the HF rows must match exactly
+        if got.shape[0] < tensor.shape[0] or not torch.equal(got[:tensor.shape[0]], tensor.float()):
+            different.append(name)
+        last = (name, got)
+    trainer.rollout.release()
+    # SGLang's CPU tier has no memory saver: release_memory_occupation frees nothing, the weights stay readable
+    kept = trainer.rollout.engine.get_weight(last[0])
+    return {"compared": compared, "different": different, "missing": missing,
+            "readable_after_release": kept is not None and torch.equal(kept, last[1])}
+
+
+def spy(trainer, events: list) -> dict:
+    """Record SGLang's calls on this rank's engine, the trainer-state offload and the updates, in order; and the
+    rollout vs actor token-probability difference of every update's batch."""
+    engine = trainer.rollout.engine._engine  # the sglang.Engine (this rank drives its engine: TP 1)
+    for name in ("begin_weight_update", "end_weight_update", "flush_cache", "generate", "release_memory_occupation",
+                 "resume_memory_occupation"):
+        wrap(engine, name, lambda name, args, kwargs: events.append(
+            name if "tags" not in kwargs else f"{name}({','.join(kwargs['tags'])})"))
+    wrap(engine, "update_weights_from_tensor", lambda *_: events.append("update_weights_from_tensor"))
+    for name in ("offload", "reload"):
+        wrap(trainer.trainer_state, name, lambda name, *_: events.append(f"trainer_state.{name}"))
+    diffs: list[float] = []
+
+    def record_update(name, args, kwargs):
+        batch = args[0]
+        mask = batch["response_mask"].bool()
+        diff = (batch["old_log_probs"].exp() - batch["rollout_log_probs"].exp()).abs()[mask]
+        diffs.append(float(diff.max()))
+        events.append("actor.update")
+
+    wrap(trainer.actor, "update", record_update)
+    wrap(trainer.actor, "compute_log_prob", lambda *_: events.append("actor.compute_log_prob"))
+    if trainer.critic is not None:
+        wrap(trainer.critic, "update", lambda *_: events.append("critic.update"))
+    return {"rollout_probs_diff_max": diffs}
+
+
+def wrap(obj, name: str, before) -> None:
+    original = getattr(obj, name)
+
+    def wrapped(*args, **kwargs):
+        before(name, args, kwargs)
+        return original(*args, **kwargs)
+
+    setattr(obj, name, wrapped)
+
+
+def offload_round_trip(trainer) -> dict:
+    """The trainer's offload mechanics on the CPU, forced on: storage freed, then the parameters and optimizer
+    state bitwise back and the gradient buffers zeroed (every update zeroes them before use anyway)."""
+    from mppo.workers.offload import _buffers, _optimizer_tensors
+
+    state = trainer.trainer_state
+    kept = [t for chunk in trainer.actor.model for t in chunk.parameters()]
+    kept += [b.param_data for b in _buffers(trainer.actor.model) if b.param_data is not None]
+    kept += list(_optimizer_tensors(trainer.actor.optimizer))
+    grads = [b.grad_data for b in _buffers(trainer.actor.model)]
+    before = [t.detach().clone() for t in kept]
+    state.offload()
+    freed = [p.device_bytes() for p in state._params]
+    state.reload()
+    optimizer_tensors = len(list(_optimizer_tensors(trainer.actor.optimizer)))
+    return {"device_bytes_offloaded": freed, "optimizer_tensors": optimizer_tensors,
+            "bitwise_back": all(torch.equal(a, b.detach()) for a, b in zip(before, kept)),
+            "grads_zero": all(bool((g == 0).all()) for g in grads) and len(grads) > 0}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--config", required=True)
+    p.add_argument("--cases", required=True, help="JSON {name: overrides} of the trainers, run in this order")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    from mppo.parallel import destroy, init_distributed
+    from mppo.rollout import SamplingParams
+    from mppo.rollout.factory import build_rollout
+    from mppo.trainer.fit import PPOTrainer
+
+    cases = json.loads(args.cases)
+    first = load(args.config, next(iter(cases.values())))
+    init_distributed(1, 1)
+    rollout = build_rollout(first, device=torch.device("cpu"), dtype=torch.float32, log_dir=args.out / "sglang")
+    destroy()
+    result: dict[str, dict] = {"engines": len(rollout.layout.groups), "group": list(rollout.layout.ranks)}
+    for name, overrides in cases.items():
+        cfg = load(args.config, overrides)
+        trainer = PPOTrainer(cfg, rollout=rollout)
+        eos = tuple(trainer.train_sampling.stop_token_ids)
+        case: dict = {"layout": {"tp": trainer.dims.tp, "dp": trainer.dims.dp}}
+        if name.endswith("ppo"):
+            case["greedy"] = rollout_once(trainer, SamplingParams(do_sample=False, max_new_tokens=12,
+                                                                  stop_token_ids=eos))
+            case["sampled_twice"] = [rollout_once(trainer, SamplingParams(temperature=1.0, max_new_tokens=12,
+                                                                          stop_token_ids=eos, seed=7))
+                                     for _ in range(2)]
+        if trainer.trainer_state.roles:
+            trainer.trainer_state.active = True  # exercise the offload mechanics on the CPU (a no-op by default)
+        events: list[str] = []
+        case.update(spy(trainer, events))
+        trainer.fit()
+        case["events"] = list(events)
+        case["weights"] = weights_vs_exporter(trainer)
+        if trainer.trainer_state.roles:
+            case["offload"] = offload_round_trip(trainer)
+        result[name] = case
+        close(trainer)
+    rollout.shutdown()
+    rank = torch.distributed.get_rank()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
