@@ -13,6 +13,7 @@ from mppo.core_algos import (
     ADV_ESTIMATOR_REGISTRY,
     ESTIMATORS_NEEDING_CRITIC,
     ESTIMATORS_NEEDING_GROUPS,
+    estimator_spec,
     compute_advantage,
     compute_gae_advantage_return,
     compute_gpg_outcome_advantage,
@@ -286,7 +287,7 @@ def test_registry_names_and_groups():
 
 
 def test_register_adv_est_plugs_into_dispatcher_and_rejects_duplicates():
-    @register_adv_est("test_only_constant")
+    @register_adv_est("test_only_constant", params=("gamma",))
     def constant(token_level_rewards, response_mask, gamma):
         return response_mask * gamma, response_mask
 
@@ -298,6 +299,33 @@ def test_register_adv_est_plugs_into_dispatcher_and_rejects_duplicates():
             register_adv_est("test_only_constant")(lambda token_level_rewards, response_mask: None)
     finally:
         del ADV_ESTIMATOR_REGISTRY["test_only_constant"]
+
+
+def test_declarations_are_checked_and_passed_exactly():
+    """An estimator gets exactly what it declared; a declared name it does not take, or an unknown input, is refused
+    at registration."""
+    spec = estimator_spec("optimal_token_baseline")
+    assert spec.needs == ("index", "old_log_probs", "sum_pi_squared") and spec.optional == ("rollout_is_weights",)
+    assert estimator_spec("remax").needs == ("reward_baselines",) and estimator_spec("gae").params == ("gamma", "lam")
+    seen = {}
+
+    @register_adv_est("test_only_spy", needs=("index",))
+    def spy(token_level_rewards, response_mask, index, gamma=None, values=None):
+        seen.update(index=index, gamma=gamma, values=values)
+        return response_mask, response_mask
+
+    try:
+        rewards, values, mask = _batch(14)
+        compute_advantage("test_only_spy", token_level_rewards=rewards, response_mask=mask, index=UIDS, gamma=0.3,
+                          values=values)
+        assert seen["index"] is UIDS and seen["gamma"] is None and seen["values"] is None
+        with pytest.raises(ValueError, match="does not take"):
+            register_adv_est("test_only_bad", needs=("values",))(lambda token_level_rewards, response_mask: None)
+        with pytest.raises(ValueError, match="unknown inputs"):
+            register_adv_est("test_only_bad", needs=("critic",))(lambda token_level_rewards, response_mask: None)
+        assert "test_only_bad" not in ADV_ESTIMATOR_REGISTRY
+    finally:
+        del ADV_ESTIMATOR_REGISTRY["test_only_spy"]
 
 
 def test_compute_advantage_dispatches_like_direct_calls():

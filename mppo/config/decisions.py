@@ -2,8 +2,6 @@
 predicts what the trainer will do)."""
 from __future__ import annotations
 
-import inspect
-
 from mppo.config.schema import MppoConfig
 
 
@@ -39,8 +37,7 @@ def old_log_prob_reuse(cfg: MppoConfig) -> tuple[bool, str]:
                        "the update")
     from mppo import core_algos  # lazy: keeps `import mppo.config` free of torch
 
-    estimator = core_algos.get_adv_estimator_fn(algo.adv_estimator)
-    if "old_log_probs" in inspect.signature(estimator).parameters:
+    if "old_log_probs" in core_algos.estimator_spec(algo.adv_estimator).needs:
         return False, f"adv_estimator {algo.adv_estimator} needs them for the advantages, before the update"
     return True, ""
 

@@ -271,10 +271,13 @@ def resolve(cfg: MppoConfig) -> MppoConfig:
     for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
         if get_key(cfg, f"{role}.megatron.virtual_pipeline_model_parallel_size") == 1:
             _set(cfg, f"{role}.megatron.virtual_pipeline_model_parallel_size", None)
-    if cfg.critic.enable is None:
-        from mppo.core_algos import ESTIMATORS_NEEDING_CRITIC  # lazy: keeps `import mppo.config` light
+    from mppo.core_algos import estimators_needing  # lazy: keeps `import mppo.config` light
 
-        cfg.critic.enable = cfg.algorithm.adv_estimator in ESTIMATORS_NEEDING_CRITIC
+    if cfg.critic.enable is None:
+        cfg.critic.enable = cfg.algorithm.adv_estimator in estimators_needing("values")
+    actor = cfg.actor_rollout_ref.actor
+    if actor.calculate_sum_pi_squared is None:
+        actor.calculate_sum_pi_squared = cfg.algorithm.adv_estimator in estimators_needing("sum_pi_squared")
     return cfg
 
 

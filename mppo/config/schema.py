@@ -27,6 +27,7 @@ class DataConfig:
     train_files: Optional[List[str]] = None  # training parquet file(s), veRL row format; one path or a list
     val_files: Optional[List[str]] = None  # validation parquet file(s); null: no validation
     train_batch_size: int = 1024  # prompts per PPO step (each sampled rollout.n times)
+    gen_batch_size: Optional[int] = None  # prompts per generation batch (dynamic sampling); null: train_batch_size
     val_batch_size: Optional[int] = None  # prompts per validation batch; null: the whole validation set at once
     max_prompt_length: int = 512  # tokens; longer prompts are filtered or rejected (filter_overlong_prompts)
     max_response_length: int = 512  # tokens generated per response at most
@@ -120,6 +121,7 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"  # core_algos.KL_PENALTY_TYPES estimator for the KL loss
     logprob_impl: str = choice("fused", "naive")  # fused: chunked hidden->logprob kernel; naive: full logits
     kernel_backend: str = choice("auto", "triton", "torch")  # fused kernels: auto = triton on cuda, torch on cpu
+    calculate_sum_pi_squared: Optional[bool] = None  # sum_v p^2 per token in the old-log-prob pass; null: iff needed
     megatron: MegatronConfig = field(default_factory=actor_megatron_defaults)  # actor parallel layout
 
 
@@ -130,6 +132,17 @@ class SamplingConfig:
     top_p: float = 1.0  # nucleus sampling mass
     top_k: int = -1  # top-k cut; -1 disables
     n: int = 1  # responses per validation prompt
+
+
+@dataclass
+class MultiTurnConfig:
+    # veRL rollout.multi_turn: an agent loop with tools; tool turns are in the context but out of every loss
+    enable: bool = False  # multi-turn rollout: the model may call tools (mppo.rollout.tools) between turns
+    max_assistant_turns: Optional[int] = None  # assistant turns per response at most; null: until the length limit
+    tool_timeout_s: float = 10.0  # a tool call still running after this many seconds is killed (an error message)
+    max_tool_response_length: int = 256  # characters of a tool message kept
+    tool_response_truncate_side: str = choice("middle", "left", "right")  # which part of a longer one is kept
+    format: str = choice("hermes")  # tool calls: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
 
 
 @dataclass
@@ -146,6 +159,7 @@ class RolloutConfig:
     weight_bucket_mb: int = 512  # MiB per bucket when streaming weights to the engine
     free_cache_engine: bool = True  # release the engine's weights + KV cache while the trainer trains
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)  # sampling for validation
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # agent loop with tools
 
 
 @dataclass
@@ -175,7 +189,7 @@ def critic_optim_defaults() -> OptimConfig:
 
 @dataclass
 class CriticConfig:
-    enable: Optional[bool] = None  # null: on iff the estimator needs values (core_algos.ESTIMATORS_NEEDING_CRITIC)
+    enable: Optional[bool] = None  # null: on iff the estimator needs values (adv_registry: needs "values")
     model: CriticModelConfig = field(default_factory=CriticModelConfig)  # critic initialisation
     optim: OptimConfig = field(default_factory=critic_optim_defaults)  # critic optimizer
     ppo_mini_batch_size: Optional[int] = None  # prompts per critic optimizer step; null: actor's
@@ -210,6 +224,14 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    # veRL algorithm.filter_groups: DAPO dynamic sampling, drop groups whose responses all score the same
+    enable: bool = False  # drop uniform groups and generate more batches until train_batch_size groups are kept
+    metric: str = choice("reward", "seq_reward")  # per-response value compared: both = summed score before KL
+    max_num_gen_batches: int = 0  # generation batches per step at most; <= 0: no limit
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"  # core_algos.ADV_ESTIMATOR_REGISTRY: gae, grpo, rloo, reinforce_plus_plus, ...
     gamma: float = 1.0  # discount factor
@@ -219,6 +241,8 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"  # core_algos.KL_PENALTY_TYPES estimator for the in-reward KL
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)  # in-reward KL coefficient
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)  # TIS/IcePop/rejection
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO dynamic sampling
+    mask_truncated_responses: bool = False  # DAPO overlong filtering: length-cut responses out of every loss
 
 
 # --------------------------------------------------------------------------------------------------------- reward
@@ -229,8 +253,24 @@ class CustomRewardFnConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    # veRL 0.9.1's DAPO reward manager: penalise responses longer than max_resp_len - len, linearly
+    enable: bool = False  # add min(-(length - (max_resp_len - len)) / len * penalty_factor, 0) to each score
+    len: int = 4096  # tokens before max_resp_len where the penalty ramps from 0 to -penalty_factor
+    penalty_factor: float = 1.0  # penalty at max_resp_len tokens
+    log: bool = False  # log reward/overlong_penalty/mean and reward/overlong_ratio
+
+
+@dataclass
+class RewardKwargsConfig:
+    overlong_buffer_cfg: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO soft penalty
+    max_resp_len: Optional[int] = None  # length the penalty ends at; null: data.max_response_length
+
+
+@dataclass
 class RewardConfig:
     custom_fn: CustomRewardFnConfig = field(default_factory=CustomRewardFnConfig)  # user reward function
+    reward_kwargs: RewardKwargsConfig = field(default_factory=RewardKwargsConfig)  # veRL reward_kwargs (DAPO)
     format_score: Optional[float] = None  # score of a well-formed wrong answer; null: each task's own (countdown 0.1)
 
 
@@ -278,6 +318,7 @@ MEGATRON_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
 # (from the estimator), see resolve().
 INHERITED_FROM: dict[str, str] = {
     "data.seed": "trainer.seed",
+    "reward.reward_kwargs.max_resp_len": "data.max_response_length",
     "actor_rollout_ref.model.tokenizer_path": "actor_rollout_ref.model.path",
     f"{ACTOR}.clip_ratio_low": f"{ACTOR}.clip_ratio",
     f"{ACTOR}.clip_ratio_high": f"{ACTOR}.clip_ratio",

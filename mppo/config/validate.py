@@ -79,7 +79,9 @@ _OPTIMS = [f"{ACTOR}.optim", "critic.optim"]
 
 # (keys, (predicate, problem)); a null value is skipped here (non-Optional keys cannot be null after loading).
 _RANGES: list[tuple[list[str], tuple[Callable[[Any], bool], str]]] = [
-    (["data.train_batch_size", "data.val_batch_size", "data.max_prompt_length", "data.max_response_length",
+    (["data.train_batch_size", "data.gen_batch_size", "data.val_batch_size", "data.max_prompt_length",
+      "data.max_response_length", f"{ROLLOUT}.multi_turn.max_assistant_turns",
+      f"{ROLLOUT}.multi_turn.max_tool_response_length",
       f"{ACTOR}.ppo_mini_batch_size", f"{ACTOR}.ppo_micro_batch_size_per_gpu", f"{ACTOR}.ppo_max_token_len_per_gpu",
       f"{ACTOR}.ppo_epochs", f"{ROLLOUT}.n", f"{ROLLOUT}.tensor_model_parallel_size",
       f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", f"{ROLLOUT}.weight_bucket_mb", f"{ROLLOUT}.val_kwargs.n",
@@ -95,7 +97,7 @@ _RANGES: list[tuple[list[str], tuple[Callable[[Any], bool], str]]] = [
         "trainer.critic_warmup", "trainer.max_consecutive_skips"], _at_least(0)),
     ([f"{o}.eps" for o in _OPTIMS] + [f"{ACTOR}.clip_ratio", f"{ACTOR}.clip_ratio_low", f"{ACTOR}.clip_ratio_high",
                                       "critic.cliprange_value", "algorithm.kl_ctrl.target_kl",
-                                      f"{ROLLOUT}.temperature"], _above(0)),
+                                      f"{ROLLOUT}.temperature", f"{ROLLOUT}.multi_turn.tool_timeout_s"], _above(0)),
     ([f"{ACTOR}.tau_pos", f"{ACTOR}.tau_neg", f"{ACTOR}.policy_loss.dro_beta"], _above(0)),
     ([f"{ACTOR}.policy_loss.clip_cov_ratio", f"{ACTOR}.policy_loss.kl_cov_ratio"], _fraction(lo_open=False)),
     ([f"{ACTOR}.clip_ratio_c"], ((lambda v: v > 1), "must be > 1 (dual-clip lower bound on -A x ratio)")),
@@ -202,14 +204,38 @@ def _check_log_prob_batches(cfg: MppoConfig, key: str, dp: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------- algorithm
+def _missing_estimator_input(cfg: MppoConfig, name: str) -> ConfigError | None:
+    """Why the trainer, as configured, would not produce the estimator input `name`; None when it would.
+    (reward_baselines: the trainer generates ReMax's greedy rollout; old_log_probs: always there.)"""
+    alg, rollout = cfg.algorithm, cfg.actor_rollout_ref.rollout
+    needed_by = f"algorithm.adv_estimator = '{alg.adv_estimator}' needs"
+    if name == "values" and not cfg.critic.enable:
+        return _fail("critic.enable", cfg.critic.enable, f"{needed_by} a critic's values",
+                     "set critic.enable=true (or null), or use an estimator without values (grpo)")
+    # A group of one has no baseline: GRPO would silently become unbaselined REINFORCE and RLOO the raw score.
+    if name == "index" and rollout.n < 2:
+        return _fail(f"{ROLLOUT}.n", rollout.n, f"{needed_by} groups: it compares the responses of one prompt and "
+                     "needs at least 2 of them", f"set {ROLLOUT}.n >= 2 (e.g. 5)")
+    if name == "sum_pi_squared":
+        if not cfg.actor_rollout_ref.actor.calculate_sum_pi_squared:
+            return _fail(f"{ACTOR}.calculate_sum_pi_squared", False, f"{needed_by} sum_pi_squared from the actor's "
+                         "log-prob pass", "set it to true (or null)")
+        if alg.rollout_correction.bypass_mode:
+            return _fail(f"{RC}.bypass_mode", True, f"{needed_by} sum_pi_squared from the actor's log-prob pass, "
+                         "which bypass mode skips (old log-probs come from the engine)", "set bypass_mode=false")
+    return None
+
+
 def _check_algorithm(cfg: MppoConfig) -> None:
-    from mppo.core_algos import ESTIMATORS_NEEDING_CRITIC, ESTIMATORS_NEEDING_GROUPS
+    from mppo.core_algos import estimator_spec
 
     alg, actor, rollout = cfg.algorithm, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
-    if alg.adv_estimator in ESTIMATORS_NEEDING_CRITIC and not cfg.critic.enable:
-        raise _fail("critic.enable", cfg.critic.enable, f"algorithm.adv_estimator = '{alg.adv_estimator}' needs a "
-                    "critic's values", "set critic.enable=true (or null), or use an estimator without values (grpo)")
-    if cfg.critic.enable and alg.adv_estimator not in ESTIMATORS_NEEDING_CRITIC:
+    spec = estimator_spec(alg.adv_estimator)
+    for name in spec.needs:
+        error = _missing_estimator_input(cfg, name)
+        if error is not None:
+            raise error
+    if cfg.critic.enable and "values" not in spec.needs:
         warnings.warn(f"critic.enable = true but algorithm.adv_estimator = '{alg.adv_estimator}' does not use "
                       "values: the critic would train for nothing; set critic.enable=null", ConfigWarning, 3)
     loss = actor.policy_loss
@@ -219,10 +245,6 @@ def _check_algorithm(cfg: MppoConfig) -> None:
     if loss.clip_cov_lb >= loss.clip_cov_ub:
         raise _fail(f"{ACTOR}.policy_loss.clip_cov_lb", loss.clip_cov_lb, f"not below clip_cov_ub = "
                     f"{loss.clip_cov_ub}", "make the lower bound smaller than the upper")
-    # A group of one has no baseline: GRPO would silently become unbaselined REINFORCE and RLOO the raw score.
-    if alg.adv_estimator in ESTIMATORS_NEEDING_GROUPS and rollout.n < 2:
-        raise _fail(f"{ROLLOUT}.n", rollout.n, f"algorithm.adv_estimator = '{alg.adv_estimator}' compares the "
-                    "responses of one prompt and needs at least 2 of them", f"set {ROLLOUT}.n >= 2 (e.g. 5)")
     # veRL only warns; penalising the same KL twice is never what a recipe means, and the fix is one key.
     if alg.use_kl_in_reward and actor.use_kl_loss:
         raise ConfigError("algorithm.use_kl_in_reward and actor_rollout_ref.actor.use_kl_loss are both true: the KL "
@@ -252,6 +274,37 @@ def _check_rollout_layout(cfg: MppoConfig) -> None:
     if n_per_node % tp:
         raise _fail(key, tp, f"an engine must live within one node of {n_per_node} ranks (trainer.n_gpus_per_node)",
                     f"use a divisor of {n_per_node}")
+
+
+# ------------------------------------------------------------------------------------------------ dynamic sampling
+def _check_dynamic_sampling(cfg: MppoConfig, dp: int) -> None:
+    fg, tbs, gen = cfg.algorithm.filter_groups, cfg.data.train_batch_size, cfg.data.gen_batch_size
+    if not fg.enable:
+        if gen is not None and gen != tbs:
+            raise _fail("data.gen_batch_size", gen, f"differs from data.train_batch_size = {tbs} without dynamic "
+                        "sampling, which alone draws several generation batches per step",
+                        "set algorithm.filter_groups.enable=true or data.gen_batch_size=null")
+        return
+    if cfg.actor_rollout_ref.rollout.n < 2:
+        raise _fail(f"{ROLLOUT}.n", cfg.actor_rollout_ref.rollout.n, "algorithm.filter_groups drops groups whose "
+                    "responses all score the same, and a group of one is never dropped", f"set {ROLLOUT}.n >= 2")
+    gen = tbs if gen is None else gen
+    # A step that reaches max_num_gen_batches is filled with filtered groups: one generation batch must be enough.
+    if gen < tbs:
+        raise _fail("data.gen_batch_size", gen, f"smaller than data.train_batch_size = {tbs}",
+                    f"use at least {tbs} (DAPO recipes use about 3x)")
+    if gen % dp:
+        raise _fail("data.gen_batch_size", gen, f"does not split over the {dp} data-parallel ranks",
+                    f"use a multiple of {dp}")
+
+
+def _check_overlong_buffer(cfg: MppoConfig) -> None:
+    kw = cfg.reward.reward_kwargs
+    buffer = kw.overlong_buffer_cfg
+    if buffer.enable and not 0 < buffer.len <= kw.max_resp_len:
+        raise _fail("reward.reward_kwargs.overlong_buffer_cfg.len", buffer.len, f"must be in 1..max_resp_len = "
+                    f"{kw.max_resp_len} (the penalty ramps over the last len tokens)",
+                    f"use e.g. {max(1, kw.max_resp_len // 4)}, or set enable=false")
 
 
 # ---------------------------------------------------------------------------------------------- rollout correction
@@ -373,6 +426,8 @@ def validate(cfg: MppoConfig, world_size: int | None = None) -> None:
     _check_rollout_layout(cfg)
     actor_dp = _data_parallel_size(cfg, ACTOR, world, world_text)
     _check_batches(cfg, ACTOR, actor_dp)
+    _check_dynamic_sampling(cfg, actor_dp)
+    _check_overlong_buffer(cfg)
     _check_log_prob_batches(cfg, f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", actor_dp)
     if cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss:
         _check_log_prob_batches(cfg, f"{REF}.log_prob_micro_batch_size_per_gpu",

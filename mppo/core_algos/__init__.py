@@ -6,7 +6,7 @@ of the function that has it; the full list is in ppo_math.md section 7). Modules
   masked.py            masked_sum/mean/var/whiten, entropy_from_logits, clip_by_value
   agg.py               agg_loss and the global-batch facts it needs (GlobalBatchInfo)
   kl.py                kl_penalty estimators, Fixed/Adaptive KL controllers, apply_kl_penalty
-  adv_registry.py      ADV_ESTIMATOR_REGISTRY and the estimator groups config validation checks
+  adv_registry.py      ADV_ESTIMATOR_REGISTRY: each estimator and the inputs it declares it needs
   adv_token.py         GAE, REINFORCE++, ReMax
   adv_group.py         GRPO, RLOO, OPO, GPG, pass@k, REINFORCE++-baseline (grouped by prompt uid)
   adv_otb.py           optimal token baseline (per-time-step group baseline), plain and multi-turn
@@ -37,8 +37,10 @@ from .adv_group import (
 from .adv_otb import compute_multi_turn_optimal_token_baseline_advantage, compute_optimal_token_baseline_advantage
 from .adv_registry import (
     ADV_ESTIMATOR_REGISTRY,
-    ESTIMATORS_NEEDING_CRITIC,
-    ESTIMATORS_NEEDING_GROUPS,
+    BATCH_INPUTS,
+    EstimatorSpec,
+    estimator_spec,
+    estimators_needing,
     get_adv_estimator_fn,
     register_adv_est,
 )
@@ -93,6 +95,11 @@ from .rollout_correction import (
     parse_rollout_rs_thresholds,
 )
 
+# The built-in estimators that declared critic values / prompt groups (validation asks `estimator_spec` instead,
+# so that estimators registered later count too).
+ESTIMATORS_NEEDING_CRITIC: frozenset[str] = estimators_needing("values")
+ESTIMATORS_NEEDING_GROUPS: frozenset[str] = estimators_needing("index")
+
 __all__ = [
     # masked helpers
     "masked_sum", "masked_mean", "masked_var", "masked_whiten", "entropy_from_logits", "clip_by_value",
@@ -102,8 +109,8 @@ __all__ = [
     "KL_PENALTY_TYPES", "KL_CONTROLLER_TYPES", "UnknownKLPenaltyError", "kl_penalty", "compute_rewards",
     "FixedKLController", "AdaptiveKLController", "get_kl_controller", "apply_kl_penalty",
     # advantages
-    "ADV_ESTIMATOR_REGISTRY", "ESTIMATORS_NEEDING_CRITIC", "ESTIMATORS_NEEDING_GROUPS", "register_adv_est",
-    "get_adv_estimator_fn", "compute_advantage", "group_rows",
+    "ADV_ESTIMATOR_REGISTRY", "BATCH_INPUTS", "EstimatorSpec", "ESTIMATORS_NEEDING_CRITIC",
+    "ESTIMATORS_NEEDING_GROUPS", "estimator_spec", "estimators_needing", "register_adv_est", "get_adv_estimator_fn", "compute_advantage", "group_rows",
     "compute_gae_advantage_return", "compute_reinforce_plus_plus_outcome_advantage",
     "compute_remax_outcome_advantage", "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage",
     "compute_rloo_vectorized_outcome_advantage", "compute_reinforce_plus_plus_baseline_outcome_advantage",

@@ -63,7 +63,7 @@ def _one(scores: torch.Tensor) -> torch.Tensor:
     return torch.tensor(1.0, device=scores.device)
 
 
-@register_adv_est("grpo")
+@register_adv_est("grpo", needs=("index",), params=("norm_adv_by_std_in_grpo",))
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -89,7 +89,7 @@ def compute_grpo_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est("grpo_vectorized")
+@register_adv_est("grpo_vectorized", needs=("index",), params=("norm_adv_by_std_in_grpo",))
 def compute_grpo_vectorized_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -124,7 +124,7 @@ def compute_grpo_vectorized_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est("rloo")
+@register_adv_est("rloo", needs=("index",))
 def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: GroupIndex, epsilon: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +144,7 @@ def compute_rloo_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est("rloo_vectorized")
+@register_adv_est("rloo_vectorized", needs=("index",))
 def compute_rloo_vectorized_outcome_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: GroupIndex, epsilon: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +163,7 @@ def compute_rloo_vectorized_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est("reinforce_plus_plus_baseline")
+@register_adv_est("reinforce_plus_plus_baseline", needs=("index",))
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: GroupIndex, epsilon: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +186,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est("opo")
+@register_adv_est("opo", needs=("index",))
 def compute_opo_outcome_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: GroupIndex, epsilon: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,7 +211,7 @@ def compute_opo_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est("gpg")
+@register_adv_est("gpg", needs=("index",))
 def compute_gpg_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -244,7 +244,7 @@ def compute_gpg_outcome_advantage(
     return adv, adv
 
 
-@register_adv_est("grpo_passk")
+@register_adv_est("grpo_passk", needs=("index",), params=("norm_adv_by_std_in_grpo",))
 def compute_grpo_passk_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

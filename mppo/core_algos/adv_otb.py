@@ -41,7 +41,8 @@ def _zero_unique_longest_tail(baselines: torch.Tensor, rows: list[int], lengths:
         baselines[rows[int(longest_at[0])], second:] = 0.0
 
 
-@register_adv_est("optimal_token_baseline")
+@register_adv_est("optimal_token_baseline", needs=("index", "old_log_probs", "sum_pi_squared"),
+                  optional=("rollout_is_weights",))
 def compute_optimal_token_baseline_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -74,7 +75,8 @@ def compute_optimal_token_baseline_advantage(
     return advantages, returns
 
 
-@register_adv_est("tir_optimal_token_baseline")
+@register_adv_est("tir_optimal_token_baseline", needs=("index", "old_log_probs", "sum_pi_squared"),
+                  optional=("rollout_is_weights",))
 def compute_multi_turn_optimal_token_baseline_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

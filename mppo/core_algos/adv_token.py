@@ -23,7 +23,7 @@ def _numeric_mask(response_mask: torch.Tensor, like: torch.Tensor) -> torch.Tens
     return response_mask.to(like.dtype) if response_mask.dtype == torch.bool else response_mask
 
 
-@register_adv_est("gae")
+@register_adv_est("gae", needs=("values",), params=("gamma", "lam"))
 def compute_gae_advantage_return(
     token_level_rewards: torch.Tensor,
     values: torch.Tensor,
@@ -60,7 +60,7 @@ def compute_gae_advantage_return(
     return advantages, returns
 
 
-@register_adv_est("reinforce_plus_plus")
+@register_adv_est("reinforce_plus_plus", params=("gamma",))
 def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +83,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return advantages, returns
 
 
-@register_adv_est("remax")
+@register_adv_est("remax", needs=("reward_baselines",))
 def compute_remax_outcome_advantage(
     token_level_rewards: torch.Tensor, reward_baselines: torch.Tensor, response_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,33 +1,23 @@
 """`compute_advantage`: one entry point that runs the estimator named by `algorithm.adv_estimator`.
 
-It passes each registered estimator the inputs its signature names (so a new estimator plugs in by name) and
-stops with a clear error when one that the estimator requires is missing, e.g. GAE without critic values.
-What it passes matches veRL's `ray_trainer.compute_advantage`: GRPO gets `norm_adv_by_std_in_grpo` and the
-default epsilon; REINFORCE++ gets `gamma` (veRL: `config.gamma`); pass@k gets the normalisation flag (veRL:
+It passes each registered estimator exactly the inputs it declared (`register_adv_est(needs=, optional=,
+params=)`) and stops with a clear error when a needed one is missing, e.g. GAE without critic values. What it
+passes matches veRL's `ray_trainer.compute_advantage`: GRPO gets `norm_adv_by_std_in_grpo` and the default
+epsilon; REINFORCE++ gets `gamma` (veRL: `config.gamma`); pass@k gets the normalisation flag (veRL:
 `config["norm_adv_by_std_in_grpo"]`); the optimal-token-baseline estimators get old_log_probs, sum_pi_squared
-and rollout_is_weights.
+and rollout_is_weights; ReMax gets the greedy baselines.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import numpy as np
 import torch
 
 from . import adv_group, adv_otb, adv_token  # noqa: F401  (importing them registers the estimators)
-from .adv_registry import get_adv_estimator_fn
+from .adv_registry import BATCH_INPUTS, estimator_spec
 
 __all__ = ["compute_advantage"]
-
-# What each dispatcher input is, for the error when an estimator needs one that was not given.
-_INPUT_HINTS: dict[str, str] = {
-    "values": "critic values of the responses; this estimator needs a critic (critic.enable / a critic model)",
-    "index": "one group id per response (the prompt `uid`), so responses to the same prompt can be compared",
-    "reward_baselines": "the reward of a greedy baseline response per prompt (ReMax generates it)",
-    "old_log_probs": "the actor's log-probs of the response tokens at rollout time",
-    "sum_pi_squared": "sum over the vocabulary of the squared token probabilities at rollout time, per token",
-}
 
 
 def compute_advantage(
@@ -47,35 +37,23 @@ def compute_advantage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the estimator registered as `adv_estimator`; returns `(advantages, returns)`, both `(bs, T)`.
 
-    One deliberate difference from veRL's trainer: every estimator with a `norm_adv_by_std_in_grpo` parameter gets
+    One deliberate difference from veRL's trainer: every estimator that declares `norm_adv_by_std_in_grpo` gets
     the flag. veRL passes it only to "grpo" (and, via config, to "grpo_passk"), so "grpo_vectorized" there always
     normalises whatever `algorithm.norm_adv_by_std_in_grpo` says; here it follows the setting.
 
-    Raises ValueError for an unknown estimator (listing the valid names) and for a missing required input.
+    Raises ValueError for an unknown estimator (listing the valid names) and for a missing needed input.
     """
-    fn = get_adv_estimator_fn(adv_estimator)
-    available: dict[str, Any] = {
-        "token_level_rewards": token_level_rewards,
-        "response_mask": response_mask,
-        "values": values,
-        "index": index,
-        "gamma": gamma,
-        "lam": lam,
-        "norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo,
-        "reward_baselines": reward_baselines,
-        "old_log_probs": old_log_probs,
-        "sum_pi_squared": sum_pi_squared,
-        "rollout_is_weights": rollout_is_weights,
-    }
-    kwargs: dict[str, Any] = {}
-    for name, param in inspect.signature(fn).parameters.items():
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            continue
-        required = param.default is inspect.Parameter.empty
-        value = available.get(name)
-        if value is not None:
-            kwargs[name] = value
-        elif required:
-            what = _INPUT_HINTS.get(name, "an input compute_advantage does not provide")
-            raise ValueError(f"adv_estimator {adv_estimator!r} needs `{name}` ({what}), but it was not given.")
-    return fn(**kwargs)
+    spec = estimator_spec(adv_estimator)
+    batch: dict[str, Any] = {"values": values, "index": index, "reward_baselines": reward_baselines,
+                             "old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_squared,
+                             "rollout_is_weights": rollout_is_weights}
+    settings: dict[str, Any] = {"gamma": gamma, "lam": lam, "norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo}
+    kwargs: dict[str, Any] = {"token_level_rewards": token_level_rewards, "response_mask": response_mask}
+    for name in spec.needs:
+        if batch[name] is None:
+            raise ValueError(f"adv_estimator {adv_estimator!r} needs `{name}` ({BATCH_INPUTS[name]}), but it was "
+                             "not given.")
+        kwargs[name] = batch[name]
+    kwargs.update({name: batch[name] for name in spec.optional if batch[name] is not None})
+    kwargs.update({name: settings[name] for name in spec.params})
+    return spec.fn(**kwargs)

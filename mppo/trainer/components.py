@@ -142,7 +142,9 @@ def build_data(cfg: MppoConfig) -> RunData:
         if styles - set(REWARD_STYLES):
             raise ConfigError(f"reward_model.style {sorted(styles - set(REWARD_STYLES))} in {cfg.data.train_files} "
                               f"has no built-in scorer (known: {REWARD_STYLES}); set reward.custom_fn.path")
-    loader = PromptLoader(train, cfg.data.train_batch_size, pad_token_id=tokenizer.pad_token_id,
+    # Each batch is one generation batch: dynamic sampling (algorithm.filter_groups) may use several per step.
+    loader = PromptLoader(train, cfg.data.gen_batch_size or cfg.data.train_batch_size,
+                          pad_token_id=tokenizer.pad_token_id,
                           shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     return RunData(tokenizer=tokenizer, train_loader=loader, val_dataset=val,
                    reward=RewardManager(tokenizer, compute_score, format_score=cfg.reward.format_score))

@@ -17,7 +17,7 @@ whatever the layout.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,8 @@ from mppo.data.loader import PromptBatch
 from mppo.errors import UserError
 from mppo.parallel import collective_device
 from mppo.rollout.factory import Rollout, build_rollout
-from mppo.trainer import components, faults, rollout_correction
+from mppo.trainer import components, faults, remax, response_shaping, rollout_correction
+from mppo.trainer.dynamic_sampling import DynamicSampler
 from mppo.trainer.checkpoint import CheckpointManager
 from mppo.trainer.metrics import (UNREJECTED_MASK, MetricsLogger, StepTimer, compute_data_metrics, perf_metrics,
                                   plot_metrics)
@@ -46,7 +47,7 @@ log = logging.getLogger("mppo")
 
 # Tensors gathered over DP so advantages see the whole global batch.
 _ADV_INPUTS = ("token_level_scores", "old_log_probs", "ref_log_prob", "values", "response_mask", "uid",
-               "rollout_log_probs")
+               "rollout_log_probs", "reward_baselines", "sum_pi_squared", "responses")
 
 
 class NonFiniteUpdatesError(UserError, FloatingPointError):
@@ -78,6 +79,9 @@ class PPOTrainer:
         components.check_device(cfg)
         components.check_models(cfg)
         self.data = components.build_data(cfg)
+        if cfg.actor_rollout_ref.rollout.multi_turn.enable:
+            raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable = true: the agent loop "
+                              "(mppo.rollout.agent_loop) is not wired into the rollout factory yet; set it to false")
         self.faults = faults.from_env()  # None unless MPPO_FAULT is set (tests)
         self.dims = init_distributed(mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size,
                                      mcfg.virtual_pipeline_model_parallel_size, ep=mcfg.expert_model_parallel_size,
@@ -150,6 +154,9 @@ class PPOTrainer:
         self.rollout = rollout
         self.train_sampling = components.train_sampling(cfg, self.data.tokenizer)
         self.val_sampling = components.val_sampling(cfg, self.data.tokenizer)
+        # What the estimator declared it needs beyond rewards and mask (validation checked they can be produced).
+        self.estimator_needs = core_algos.estimator_spec(cfg.algorithm.adv_estimator).needs
+        self.dynamic_sampler = DynamicSampler(self) if cfg.algorithm.filter_groups.enable else None
 
         self.metrics = MetricsLogger(self.run_dir, cfg.trainer.logger, enabled=self.is_main,
                                      project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name)
@@ -224,13 +231,28 @@ class PPOTrainer:
             batch["reward_errors"] = torch.tensor([reward_metrics.get("reward/errors", 0.0)])
         return self.io.broadcast_from_leader(batch)
 
-    def train_step(self, prompts: PromptBatch) -> dict[str, float]:
+    def train_rollout(self, prompts: PromptBatch, first_index: int) -> dict[str, torch.Tensor]:
+        """This DP rank's rows of the training rollout of the GLOBAL `prompts` (global indices from `first_index`),
+        scores shaped, with ReMax's greedy baselines when the estimator needs them."""
+        batch = self.generate(prompts, first_index, self.train_sampling, self.step)
+        response_shaping.shape_scores(self.cfg, batch)
+        if "reward_baselines" in self.estimator_needs:
+            batch["reward_baselines"] = remax.reward_baselines(self, prompts, first_index, self.step)
+        return batch
+
+    def train_step(self, prompts: PromptBatch,
+                   more_prompts: Callable[[], PromptBatch] | None = None) -> dict[str, float]:
+        """One PPO step on `prompts`; with dynamic sampling (algorithm.filter_groups) `more_prompts` gives the
+        further generation batches (none: the first batch is all there is)."""
         cfg, timer = self.cfg, StepTimer()
         with self.phase(timer, "step"):
             with self.phase(timer, "weight_sync"):
                 sync_metrics = self.sync_weights()
             with self.phase(timer, "gen"):
-                batch = self.generate(prompts, 0, self.train_sampling, self.step)
+                if self.dynamic_sampler is not None:
+                    batch, sampling_metrics = self.dynamic_sampler.collect(prompts, more_prompts)
+                else:
+                    batch, sampling_metrics = self.train_rollout(prompts, 0), {}
                 self.rollout.release()
             temperature = cfg.actor_rollout_ref.rollout.temperature
             rollout_metrics: dict[str, float] = {}
@@ -238,8 +260,12 @@ class PPOTrainer:
                 batch["old_log_probs"] = batch["rollout_log_probs"]
             elif self.old_log_prob_pass:
                 with self.phase(timer, "old_log_prob"):
-                    batch["old_log_probs"], _ = self.actor.compute_log_prob(
-                        batch, temperature=temperature, micro_batch_size=self.old_log_prob_micro_batch)
+                    outs = self.actor.compute_log_prob_outputs(
+                        batch, temperature=temperature, micro_batch_size=self.old_log_prob_micro_batch,
+                        calculate_sum_pi_squared=bool(cfg.actor_rollout_ref.actor.calculate_sum_pi_squared))
+                    batch["old_log_probs"] = outs["log_probs"]
+                    if "sum_pi_squared" in outs:
+                        batch["sum_pi_squared"] = outs["sum_pi_squared"]
                 rollout_metrics.update(rollout_correction.mismatch_metrics(batch, self.io.dp_group))
             if self.ref is not None:
                 with self.phase(timer, "ref"):
@@ -252,7 +278,7 @@ class PPOTrainer:
             if self.faults:
                 self.faults.poison_update_inputs(batch, self.step + 1)
             # Worker metrics are global (identical on every rank); `skipped` marks a non-finite update.
-            metrics: dict[str, float] = {**adv_metrics, **sync_metrics}
+            metrics: dict[str, float] = {**adv_metrics, **sync_metrics, **sampling_metrics}
             if self.critic is not None:
                 with self.phase(timer, "update_critic"):
                     critic_metrics = self.critic.update(batch)
@@ -292,10 +318,17 @@ class PPOTrainer:
             full["token_level_rewards"] = full["token_level_scores"]
         corr_metrics, corrected = self.rollout_corr.before_advantages(full)  # IS weights, rejection: after the KL
         metrics.update(corr_metrics)
+        sampling = self.train_sampling
+        trunc_metrics, masked = response_shaping.mask_truncated(
+            self.cfg, full, () if sampling.ignore_eos else sampling.stop_token_ids)
+        metrics.update(trunc_metrics)
+        corrected = tuple(dict.fromkeys((*corrected, *masked)))
         full["advantages"], full["returns"] = core_algos.compute_advantage(
             cfg.adv_estimator, token_level_rewards=full["token_level_rewards"], response_mask=full["response_mask"],
             values=full.get("values"), index=full["uid"].numpy().astype(object), gamma=cfg.gamma, lam=cfg.lam,
-            norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo, old_log_probs=full.get("old_log_probs"))
+            norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo, old_log_probs=full.get("old_log_probs"),
+            reward_baselines=full.get("reward_baselines"), sum_pi_squared=full.get("sum_pi_squared"),
+            rollout_is_weights=full.get("rollout_is_weights"))
         for key in ("token_level_rewards", "advantages", "returns", *corrected):
             batch[key] = local_rows(full[key], self.io.dp_group)
         self._full_batch = full  # for data metrics
@@ -307,6 +340,7 @@ class PPOTrainer:
         metrics = compute_data_metrics(full, max_response_length=self.cfg.data.max_response_length,
                                        max_prompt_length=self.cfg.data.max_prompt_length)
         metrics.update(timer.metrics())
+        metrics.update(response_shaping.overlong_metrics(self.cfg, full))
         # the tokens the policy generated (before rollout-correction rejection) are what each pass computes on
         response_tokens = int(full.get(UNREJECTED_MASK, full["response_mask"]).sum().item())
         num_tokens = int(full["prompt_mask"].sum().item()) + response_tokens
@@ -330,26 +364,24 @@ class PPOTrainer:
         bar = tqdm(total=self.total_steps, initial=self.step, desc="ppo", disable=not self.is_main,
                    dynamic_ncols=True)
         loader = self.data.train_loader
+        batches = _endless(loader)  # one stream: dynamic sampling may take several batches in a step
         while self.step < self.total_steps:
-            for prompts in loader:
-                metrics = self.train_step(prompts)
-                self.step += 1
-                self._count_skips(metrics)
-                metrics["training/epoch"] = loader.epoch
-                last = self.step >= self.total_steps
-                if self.data.val_dataset is not None and cfg.test_freq > 0 and (
-                        self.step % cfg.test_freq == 0 or last):
-                    metrics.update(self.validate())
-                self.metrics.log(self.step, metrics)
-                self._stop_if_diverging()
-                bar.update(1)
-                bar.set_postfix({k.split("/", 1)[-1]: f"{metrics[k]:.3g}" for k in
-                                 ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "response_length/mean")
-                                 if k in metrics}, refresh=False)
-                if (cfg.save_freq > 0 and self.step % cfg.save_freq == 0) or last:
-                    self.save_checkpoint()
-                if last:
-                    break
+            metrics = self.train_step(next(batches), more_prompts=lambda: next(batches))
+            self.step += 1
+            self._count_skips(metrics)
+            metrics["training/epoch"] = loader.epoch
+            last = self.step >= self.total_steps
+            if self.data.val_dataset is not None and cfg.test_freq > 0 and (
+                    self.step % cfg.test_freq == 0 or last):
+                metrics.update(self.validate())
+            self.metrics.log(self.step, metrics)
+            self._stop_if_diverging()
+            bar.update(1)
+            bar.set_postfix({k.split("/", 1)[-1]: f"{metrics[k]:.3g}" for k in
+                             ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "response_length/mean")
+                             if k in metrics}, refresh=False)
+            if (cfg.save_freq > 0 and self.step % cfg.save_freq == 0) or last:
+                self.save_checkpoint()
         bar.close()
         if self._owns_rollout:
             self.rollout.shutdown()
@@ -381,6 +413,12 @@ class PPOTrainer:
                 f"norm and were skipped (trainer.max_consecutive_skips={limit}); the weights are those of the last "
                 f"good step and the last checkpoint is in {self.ckpt.root}. Lower the learning rate, or check the "
                 "rewards and data of these steps (metrics.jsonl)")
+
+
+def _endless(loader) -> Iterator[PromptBatch]:
+    """The loader's batches epoch after epoch (its state always says what was handed out)."""
+    while True:
+        yield from loader
 
 
 def _count_parameters(model_chunks, io: ModelParallelIO) -> int:

@@ -7,7 +7,7 @@ Row r of the batch is sample `r % n` of prompt `r // n` (prompt-major, as engine
     position_ids   [B·n, P+T]  0 at each prompt's first token, counting through the response
     prompt_mask    [B·n, P]
     responses      [B·n, T]    T = max_response_length (fixed, so every rank and micro-batch agrees on shapes)
-    response_mask  [B·n, T]
+    response_mask  [B·n, T]    1 on tokens in the loss: generated ones (0 on a multi-turn response's tool turns)
     rollout_log_probs [B·n, T] the engine's log-probs (diagnostics: rollout vs actor mismatch)
 """
 from __future__ import annotations
@@ -29,6 +29,8 @@ def build_rollout_batch(prompts: PromptBatch, responses: Sequence[RolloutRespons
     rows = len(responses)
     responses_t = torch.full((rows, max_response_length), pad_token_id, dtype=torch.int64)
     response_mask = torch.zeros((rows, max_response_length), dtype=torch.float32)
+    # attended response tokens; differs from response_mask where a multi-turn response has tool turns (loss_mask 0)
+    valid = torch.zeros((rows, max_response_length), dtype=torch.int64)
     rollout_log_probs = torch.zeros((rows, max_response_length), dtype=torch.float32)
     for r, resp in enumerate(responses):
         length = len(resp.token_ids)
@@ -36,11 +38,13 @@ def build_rollout_batch(prompts: PromptBatch, responses: Sequence[RolloutRespons
             raise ValueError(f"engine returned {length} tokens for prompt {resp.prompt_index}, more than "
                              f"max_response_length={max_response_length}")
         responses_t[r, :length] = torch.tensor(resp.token_ids, dtype=torch.int64)
-        response_mask[r, :length] = 1.0
+        valid[r, :length] = 1
+        loss_mask = getattr(resp, "loss_mask", None)  # mppo.rollout.agent_loop.AgentResponse
+        response_mask[r, :length] = 1.0 if loss_mask is None else torch.tensor(loss_mask, dtype=torch.float32)
         rollout_log_probs[r, :length] = torch.tensor(resp.log_probs, dtype=torch.float32)
     prompt_ids = prompts.input_ids.repeat_interleave(n, dim=0)
     prompt_mask = prompts.attention_mask.repeat_interleave(n, dim=0)
-    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    attention_mask = torch.cat([prompt_mask, valid], dim=1)
     return {
         "input_ids": torch.cat([prompt_ids, responses_t], dim=1),
         "attention_mask": attention_mask,

@@ -37,7 +37,7 @@ from mppo.models.weights import bucketed, iter_hf_weights
 from mppo.parallel import ParallelDims
 from mppo.workers.base import StepMetrics, build_role_model, mean_metrics, response_forward_step
 from mppo.workers.batching import Batch, validate_batch
-from mppo.workers.logprob import compute_response_logprobs, make_logprob_fn, response_logprobs
+from mppo.workers.logprob import compute_response_outputs, make_logprob_fn, response_logprobs
 from mppo.workers.loss_selection import fused_actor_loss, select_loss_path
 from mppo.workers.optim import build_lr_scheduler, build_optimizer, current_lr, wrap_with_ddp
 from mppo.workers.pipeline import broadcast_from_last_stage
@@ -130,14 +130,24 @@ class ActorWorker:
                          calculate_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log_probs [B, T] fp32, entropy [B, T] or None) of the response tokens, on every rank; 0 where the
         response is padding. Micro-batches by count or token budget (default: the actor's update settings)."""
+        outs = self.compute_log_prob_outputs(batch, temperature=temperature, micro_batch_size=micro_batch_size,
+                                             max_token_len=max_token_len, calculate_entropy=calculate_entropy)
+        return outs["log_probs"], outs.get("entropy")
+
+    def compute_log_prob_outputs(self, batch: Batch, *, temperature: float, micro_batch_size: int | None = None,
+                                 max_token_len: int | None = None, calculate_entropy: bool = False,
+                                 calculate_sum_pi_squared: bool = False) -> dict[str, torch.Tensor]:
+        """{"log_probs"[, "entropy"][, "sum_pi_squared"]} [B, T] fp32 of the response tokens, on every rank
+        (sum_pi_squared: sum over the vocabulary of p^2, for the optimal-token-baseline estimators)."""
         validate_batch(batch)
         batch = self.loop.to_device(batch)
         micro_batch_size, max_token_len = self.loop.micro_batching(micro_batch_size, max_token_len)
         with torch.no_grad():
-            return compute_response_logprobs(self.model, batch, self.logprob_fn, vocab_size=self.hf_args.vocab_size,
-                                             temperature=temperature, micro_batch_size=micro_batch_size,
-                                             max_token_len=max_token_len, calculate_entropy=calculate_entropy,
-                                             phase="actor/log_prob")
+            return compute_response_outputs(self.model, batch, self.logprob_fn, vocab_size=self.hf_args.vocab_size,
+                                            temperature=temperature, micro_batch_size=micro_batch_size,
+                                            max_token_len=max_token_len, calculate_entropy=calculate_entropy,
+                                            calculate_sum_pi_squared=calculate_sum_pi_squared,
+                                            phase="actor/log_prob")
 
     # ------------------------------------------------------------------------------------------ training
     def update(self, batch: Batch, *, temperature: float,

@@ -6,6 +6,10 @@ Two implementations of hidden states -> log p(token), selected by `actor.logprob
 - "naive": megatron's vocab-parallel cross entropy on full fp32 logits
   (`mppo.workers.pipeline.vocab_parallel_logprob_entropy`).
 Both run only on the valid response positions, with logits divided by the temperature (as the rollout does).
+
+The optimal-token-baseline estimators also need `sum_pi_squared` = sum over the vocabulary of p^2 per token
+(`actor.calculate_sum_pi_squared`). Neither kernel returns it, so `vocab_parallel_sum_pi_squared` computes it in
+torch from the same hidden states, in row chunks (no [tokens x vocab] tensor of the whole batch), forward only.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from mppo.models.vocab import mask_padded_logits, valid_vocab_size_per_rank
 from mppo.workers.base import output_weight, response_forward_step, response_rows
 from mppo.workers.batching import TOKEN_COUNTER, Batch, MicroBatch, make_micro_batches, pad_to_uniform, scatter_rows
 from mppo.workers.pipeline import needs_uniform_shapes, run_pipeline, vocab_parallel_logprob_entropy
@@ -73,6 +78,34 @@ def response_logprobs(model: nn.Module, hidden: torch.Tensor, data: Batch, logpr
     return to_grid(log_probs), (to_grid(entropy) if entropy is not None else None)
 
 
+def vocab_parallel_sum_pi_squared(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float,
+                                  valid_vocab_size: int, chunk_rows: int = 1024) -> torch.Tensor:
+    """sum_v softmax(hidden @ weight.T / temperature)_v^2 per row [N] fp32 over the TP-split vocabulary (no grad).
+
+    With m = the row max and S_k = sum_v exp(k (z_v - m)): sum p^2 = S_2 / S_1^2; the max and both sums are
+    reduced over the tensor-parallel group."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    local_valid = valid_vocab_size_per_rank(valid_vocab_size, weight.shape[0] * tp, tp_rank, tp)
+    out = []
+    with torch.no_grad():
+        w = weight.detach().float()
+        for start in range(0, hidden.shape[0], chunk_rows):
+            z = mask_padded_logits(hidden[start:start + chunk_rows].detach().float() @ w.t() / temperature,
+                                   local_valid)
+            row_max = z.max(dim=-1).values
+            if tp > 1:
+                torch.distributed.all_reduce(row_max, op=torch.distributed.ReduceOp.MAX, group=group)
+            shifted = (z - row_max[:, None]).exp()
+            sums = torch.stack([shifted.sum(dim=-1), (shifted * shifted).sum(dim=-1)])
+            if tp > 1:
+                torch.distributed.all_reduce(sums, group=group)
+            out.append(sums[1] / (sums[0] * sums[0]))
+    return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
+
+
 def micro_batches_for(batch: Batch, rows: torch.Tensor, model_chunks: Sequence[nn.Module], *,
                       micro_batch_size: int | None, max_token_len: int | None) -> list[MicroBatch]:
     """Micro-batches of `rows`, a multiple of PP of them for the interleaved schedule."""
@@ -112,6 +145,19 @@ def compute_response_logprobs(model_chunks: Sequence[nn.Module], batch: Batch, l
                               phase: str = "log_prob") -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward-only log-probs [B, T] (and entropy) of a validated batch, on every rank (`phase`: its name in
     TOKEN_COUNTER)."""
+    outs = compute_response_outputs(model_chunks, batch, logprob_fn, vocab_size=vocab_size, temperature=temperature,
+                                    micro_batch_size=micro_batch_size, max_token_len=max_token_len,
+                                    calculate_entropy=calculate_entropy, phase=phase)
+    return outs["log_probs"], outs.get("entropy")
+
+
+def compute_response_outputs(model_chunks: Sequence[nn.Module], batch: Batch, logprob_fn: TokenLogProbFn, *,
+                             vocab_size: int, temperature: float, micro_batch_size: int | None,
+                             max_token_len: int | None, calculate_entropy: bool = False,
+                             calculate_sum_pi_squared: bool = False,
+                             phase: str = "log_prob") -> dict[str, torch.Tensor]:
+    """Forward-only {"log_probs"[, "entropy"][, "sum_pi_squared"]}, each [B, T] fp32 and 0 off the response, of a
+    validated batch, on every rank (`phase`: its name in TOKEN_COUNTER)."""
     rows = torch.arange(batch["input_ids"].shape[0])
     micro_batches = micro_batches_for(batch, rows, model_chunks, micro_batch_size=micro_batch_size,
                                       max_token_len=max_token_len)
@@ -123,9 +169,16 @@ def compute_response_logprobs(model_chunks: Sequence[nn.Module], batch: Batch, l
             outputs = {"log_probs": log_probs}
             if entropy is not None:
                 outputs["entropy"] = entropy
+            if calculate_sum_pi_squared:
+                valid = data["response_valid"]
+                grid = torch.zeros(valid.shape, dtype=torch.float32, device=hidden.device)
+                if bool(valid.any()):
+                    grid[valid] = vocab_parallel_sum_pi_squared(response_rows(hidden, data, valid_only=True),
+                                                                output_weight(model), temperature=temperature,
+                                                                valid_vocab_size=vocab_size)
+                outputs["sum_pi_squared"] = grid
             return log_probs.sum(), outputs
         return loss_fn
 
     step = response_forward_step(make_loss_fn, hidden_only=True)
-    outs = run_forward_only(model_chunks, micro_batches, step, len(rows), phase=phase)
-    return outs["log_probs"], outs.get("entropy")
+    return run_forward_only(model_chunks, micro_batches, step, len(rows), phase=phase)

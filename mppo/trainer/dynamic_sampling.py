@@ -1,0 +1,118 @@
+"""DAPO's dynamic sampling (https://arxiv.org/abs/2503.14476), veRL's `algorithm.filter_groups`.
+
+A group (the n responses of one prompt) whose responses all have the same `metric` value carries no signal for a
+group-relative advantage: it is dropped, and more generation batches of `data.gen_batch_size` prompts are
+generated until `data.train_batch_size` groups are kept (then trimmed to exactly that many, in generation
+order, as veRL's `batch[:traj_bsz]`). Singleton groups are kept (veRL: `std > 0 or len == 1`).
+
+At `max_num_gen_batches` (> 0) generation batches the step goes on with what it has: veRL's DAPO recipe raises
+there; here the missing groups are filled with filtered (uniform) groups in generation order - with a group
+baseline their advantages are 0 - so the batch keeps its shape, with one warning and the metric
+`train/filter_groups/filled_groups`.
+
+Every rank runs this (SPMD): each DP rank generates its share of a generation batch, the rows are gathered over
+DP so all ranks decide on the same global batch, and each takes its contiguous share back at the end. Generation
+batch k of a step samples with prompt offsets shifted by k * gen_batch_size (distinct random streams, a function
+of (step, k) only: resume is exact), and its group ids are shifted by k * dataset size (a prompt seen again
+after an epoch boundary within one step is another group).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from mppo.data.loader import PromptBatch
+from mppo.trainer.rollout_batch import all_gather_rows, local_rows
+
+if TYPE_CHECKING:
+    from mppo.trainer.fit import PPOTrainer
+
+log = logging.getLogger("mppo")
+
+FILTER_METRICS = ("reward", "seq_reward")  # both: the response's summed score before any KL (veRL 0.9.1 names)
+# Rollout tensors whose second dimension is the (left-padded) prompt plus the response, or the prompt alone.
+_PROMPT_PADDED = ("input_ids", "attention_mask", "position_ids", "prompt_mask")
+
+
+def group_verdicts(metric: torch.Tensor, uid: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+    """(kept groups, filtered groups), each a list of row lists in order of first appearance. A group is
+    filtered when it has more than one row and all its metric values are equal."""
+    groups: dict[int, list[int]] = {}
+    for row, group in enumerate(uid.tolist()):
+        groups.setdefault(group, []).append(row)
+    kept, filtered = [], []
+    for rows in groups.values():
+        values = metric[rows]
+        (filtered if len(rows) > 1 and bool((values == values[0]).all()) else kept).append(rows)
+    return kept, filtered
+
+
+def _left_pad_prompts(batch: dict[str, torch.Tensor], width: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """The batch with its prompt part left-padded to `width` columns (padding: pad id, mask 0, position 0)."""
+    extra = width - batch["prompt_mask"].shape[1]
+    if extra == 0:
+        return batch
+    out = dict(batch)
+    for key in _PROMPT_PADDED:
+        fill = pad_token_id if key == "input_ids" else 0
+        pad = torch.full((batch[key].shape[0], extra), fill, dtype=batch[key].dtype)
+        out[key] = torch.cat([pad, batch[key]], dim=1)
+    return out
+
+
+def _concat(parts: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    width = max(p["prompt_mask"].shape[1] for p in parts)
+    parts = [_left_pad_prompts(p, width, pad_token_id) for p in parts]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+class DynamicSampler:
+    """Collects one step's training batch from as many generation batches as `algorithm.filter_groups` needs."""
+
+    def __init__(self, trainer: "PPOTrainer") -> None:
+        cfg = trainer.cfg
+        self.trainer = trainer
+        self.train_groups = cfg.data.train_batch_size
+        self.gen_batch_size = cfg.data.gen_batch_size or cfg.data.train_batch_size
+        self.max_gen_batches = cfg.algorithm.filter_groups.max_num_gen_batches
+        self.dataset_size = len(trainer.data.train_loader.dataset)
+
+    def collect(self, prompts: PromptBatch, more_prompts: Callable[[], PromptBatch] | None
+                ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """This rank's share of the step's rollout batch (exactly train_batch_size groups) and the metrics."""
+        trainer, io = self.trainer, self.trainer.io
+        kept_parts, filtered_parts, num_kept, num_filtered, errors, gen = [], [], 0, 0, 0.0, 0
+        while True:
+            batch = trainer.train_rollout(prompts, gen * self.gen_batch_size)
+            errors += float(all_gather_rows(batch.pop("reward_errors"), io.dp_group).sum())
+            batch["uid"] = batch["uid"] + gen * self.dataset_size
+            full = {k: all_gather_rows(v.cpu(), io.dp_group) for k, v in batch.items()}
+            kept, filtered = group_verdicts(full["token_level_scores"].sum(dim=-1), full["uid"])
+            gen += 1
+            num_kept, num_filtered = num_kept + len(kept), num_filtered + len(filtered)
+            for groups, parts in ((kept, kept_parts), (filtered, filtered_parts)):
+                if groups:
+                    rows = torch.tensor([r for g in groups for r in g])
+                    parts.append({k: v[rows] for k, v in full.items()})
+            if num_kept >= self.train_groups or more_prompts is None:
+                break
+            if 0 < self.max_gen_batches <= gen:
+                break
+            prompts = more_prompts()
+        n = trainer.train_sampling.n
+        filled = max(0, self.train_groups - num_kept)
+        if filled:
+            log.warning("step %d: %d of %d groups kept after %d generation batches (algorithm.filter_groups."
+                        "max_num_gen_batches=%d); %d filtered groups fill the batch", trainer.step + 1, num_kept,
+                        self.train_groups, gen, self.max_gen_batches, filled)
+        full = _concat(kept_parts + filtered_parts, trainer.data.tokenizer.pad_token_id)
+        full = {k: v[:self.train_groups * n] for k, v in full.items()}
+        local_batch = {k: local_rows(v, io.dp_group) for k, v in full.items()}
+        local_batch["reward_errors"] = torch.tensor([errors if io.dims.dp_rank == 0 else 0.0])
+        metrics = {"train/num_gen_batches": float(gen), "train/filter_groups/kept_groups": float(num_kept),
+                   "train/filter_groups/filtered_groups": float(num_filtered),
+                   "train/filter_groups/filled_groups": float(filled)}
+        return local_batch, metrics

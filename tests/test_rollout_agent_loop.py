@@ -1,0 +1,114 @@
+"""The multi-turn agent loop's token layout with a scripted policy: the model's tokens in the loss mask, the tool
+turns (the calculator's answer in the tokenizer's chat template) out of it, and the model sees the tool output."""
+from __future__ import annotations
+
+from mppo.data import build_local_tokenizer
+from mppo.rollout.agent_loop import run_agent_loop, tool_turn_ids
+from mppo.rollout.base import RolloutResponse, SamplingParams
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3 * 4"}}</tool_call>'
+ANSWER = " <answer>14</answer>"
+
+
+class ScriptedEngine:
+    """Answers turn k of every conversation with script[k] (+ eos on the last script entry); records the contexts."""
+
+    def __init__(self, tokenizer, script: list[str]):
+        self.tok, self.script, self.contexts, self.calls = tokenizer, script, [], 0
+
+    def generate(self, prompts, sampling, *, step, prompt_offsets=None):
+        out = []
+        for ids, offset in zip(prompts, prompt_offsets):
+            self.contexts.append(list(ids))
+            turn = ids.count(self.tok.convert_tokens_to_ids("</tool_call>"))  # turns so far = calls so far
+            tokens = self.tok.encode(self.script[min(turn, len(self.script) - 1)], add_special_tokens=False)
+            if turn >= len(self.script) - 1:
+                tokens = tokens + [self.tok.eos_token_id]
+            tokens = tokens[:sampling.max_new_tokens]
+            stopped = tokens[-1] in sampling.stop_token_ids
+            out.append(RolloutResponse(offset, 0, tokens, [-0.5] * len(tokens), "stop" if stopped else "length"))
+        return out
+
+
+def tokenizer(tmp_path):
+    tok = build_local_tokenizer([CALL, ANSWER, "tool result 14"] * 20, 400, tmp_path / "tok")
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    return tok
+
+
+def test_tool_turn_is_in_the_context_and_out_of_the_mask(tmp_path):
+    tok = tokenizer(tmp_path)
+    engine = ScriptedEngine(tok, [CALL, ANSWER])
+    prompt = tok.encode("<|im_start|>user\nreach 14<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    sampling = SamplingParams(n=2, max_new_tokens=64, stop_token_ids=(tok.eos_token_id,))
+    responses = run_agent_loop(engine, [prompt], sampling, step=0, prompt_offsets=[5], tokenizer=tok,
+                               max_assistant_turns=3, max_response_length=200, tool_timeout_s=2.0)
+    assert len(responses) == 2 and [r.sample_index for r in responses] == [0, 1]
+    call_ids = tok.encode(CALL, add_special_tokens=False)
+    tool_ids = tool_turn_ids(tok, ["14"])
+    answer_ids = tok.encode(ANSWER, add_special_tokens=False) + [tok.eos_token_id]
+    assert "<|im_start|>tool\n14<|im_end|>" in tok.decode(tool_ids) and \
+        tok.decode(tool_ids).endswith("<|im_start|>assistant\n")
+    for r in responses:
+        assert r.token_ids == call_ids + tool_ids + answer_ids
+        assert r.loss_mask == [1] * len(call_ids) + [0] * len(tool_ids) + [1] * len(answer_ids)
+        assert r.log_probs == [-0.5] * len(call_ids) + [0.0] * len(tool_ids) + [-0.5] * len(answer_ids)
+        assert r.num_tool_calls == 1 and r.finish_reason == "stop"
+    # the second turn's context is the prompt, the call and the tool's answer
+    assert prompt + call_ids + tool_ids in engine.contexts
+
+
+def test_turn_limit_and_length_limit(tmp_path):
+    tok = tokenizer(tmp_path)
+    prompt = tok.encode("<|im_start|>user\nx<|im_end|>\n", add_special_tokens=False)
+    sampling = SamplingParams(n=1, max_new_tokens=64, stop_token_ids=(tok.eos_token_id,))
+    # a model that calls the tool forever stops after max_assistant_turns turns
+    forever = ScriptedEngine(tok, [CALL] * 10 + [ANSWER])
+    (r,) = run_agent_loop(forever, [prompt], sampling, step=0, prompt_offsets=[0], tokenizer=tok,
+                          max_assistant_turns=2, max_response_length=1000, tool_timeout_s=2.0)
+    assert r.num_tool_calls == 1 and sum(r.loss_mask) == 2 * len(tok.encode(CALL, add_special_tokens=False))
+    # the response never exceeds max_response_length, tool turns included
+    (r,) = run_agent_loop(ScriptedEngine(tok, [CALL] * 10), [prompt], sampling, step=0, prompt_offsets=[0],
+                          tokenizer=tok, max_assistant_turns=10, max_response_length=50, tool_timeout_s=2.0)
+    assert len(r.token_ids) == len(r.loss_mask) == len(r.log_probs) == 50 and r.finish_reason == "length"
+
+
+def test_rollout_batch_keeps_tool_turns_attended_but_out_of_the_loss():
+    import torch
+
+    from mppo.data.loader import PromptBatch
+    from mppo.rollout.agent_loop import AgentResponse
+    from mppo.trainer.rollout_batch import build_rollout_batch
+
+    prompts = PromptBatch(input_ids=torch.tensor([[9, 5]]), attention_mask=torch.tensor([[1, 1]]),
+                          position_ids=torch.tensor([[0, 1]]), raw_prompts=["p"], data_sources=["d"],
+                          ground_truths=[None], extra_infos=[None], indices=torch.tensor([3]))
+    response = AgentResponse(0, 0, [1, 2, 7, 7, 3], [-0.1, -0.2, 0.0, 0.0, -0.3], [1, 1, 0, 0, 1], 1, "stop")
+    b = build_rollout_batch(prompts, [response], n=1, max_response_length=6, pad_token_id=0)
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 1, 1, 0]]
+    assert b["response_mask"].tolist() == [[1, 1, 0, 0, 1, 0]]
+    assert b["rollout_log_probs"].tolist() == torch.tensor([[-0.1, -0.2, 0.0, 0.0, -0.3, 0.0]]).tolist()
+
+
+def test_trainer_refuses_multi_turn_until_it_is_wired():
+    """The agent loop is not yet wired into the rollout factory: enabling it is one clear line, not a silent
+    single-turn run."""
+    import pytest
+
+    from mppo.config import ConfigError, load_config
+    from mppo.trainer.fit import PPOTrainer
+
+    import tempfile
+    from pathlib import Path
+
+    from dist_util import REPO
+    from e2e_assets import make_assets, tiny_overrides
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = make_assets(Path(tmp) / "assets", train_size=8, test_size=4)
+        cfg = load_config(str(REPO / "configs" / "demo_cpu.yaml"), tiny_overrides(root, Path(tmp) / "run", world=1, n=2,
+                                                                  estimator="grpo") + [
+            "critic.enable=false", "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.multi_turn.enable=true"],
+            world_size=1)
+        with pytest.raises(ConfigError, match="multi_turn.enable = true: the agent loop"):
+            PPOTrainer(cfg)
