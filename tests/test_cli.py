@@ -16,6 +16,7 @@ from mppo.config import load_config, to_yaml
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = {  # recipe -> the world size it is meant for
     "ppo_trainer.yaml": 8,
+    "demo.yaml": 2,
     "demo_cpu.yaml": 2,
     "countdown_qwen2.5_3b_ppo.yaml": 2,
     "gsm8k_qwen2.5_7b_grpo.yaml": 8,
