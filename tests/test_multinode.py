@@ -27,8 +27,10 @@ from e2e_assets import dense_reward, make_assets, step_metrics, tiny_overrides
 
 NODES, RANKS_PER_NODE = 2, 2
 WORLD = NODES * RANKS_PER_NODE
-# Clock readings (and rates derived from them) legitimately differ between two runs; everything else may not.
-CLOCK_KEYS = ("timing_s/", "perf/mfu", "perf/throughput", "perf/time_per_step", "perf/weight_sync_gb_per_s")
+# Clock and memory readings (and rates derived from them) legitimately differ between two runs; everything else
+# may not.
+CLOCK_KEYS = ("timing_s/", "perf/mfu", "perf/throughput", "perf/time_per_step", "perf/weight_sync_gb_per_s",
+              "perf/cpu_memory_peak_gb", "perf/max_memory_")
 
 # Dense and sample-dependent, so advantages, losses and gradients are far from zero at step 1.
 
@@ -201,7 +203,12 @@ def test_sbatch_unreachable_master_ends_the_job_in_bounded_time(tmp_path):
     port = free_port()
     env, logs = sbatch_env(tmp_path, port, RDZV_TIMEOUT="3")
     (tmp_path / "bin" / "scontrol").write_text(FAKE_SCONTROL.replace("127.0.0.1 localhost", "192.0.2.1 localhost"))
-    cmd = ["bash", str(REPO / "launch/slurm.sbatch"), "configs/demo_cpu.yaml", "trainer.total_training_steps=1"]
+    # micro-batch sizes that divide at this 4-rank world: the script validates the config before it launches
+    micro = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "critic.ppo_micro_batch_size_per_gpu=16",
+             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
+             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32"]
+    cmd = ["bash", str(REPO / "launch/slurm.sbatch"), "configs/demo_cpu.yaml", "trainer.total_training_steps=1",
+           *micro]
     rc, out, seconds = run_group(cmd, env, timeout=90)
     node1 = (logs / "node1.log").read_text()
     assert rc == 3 and seconds < 45, (rc, seconds, out, node1)
