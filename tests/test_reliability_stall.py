@@ -19,8 +19,8 @@ TIMEOUT_S = 5
 
 
 def test_hang_in_a_collective_phase_is_reported_by_every_rank_and_ends_the_run(tmp_path_factory, tmp_path):
-    """TP=2: rank 1 hangs on entering step 1's rollout, so rank 0 (the engine's rank) blocks in gloo while
-    broadcasting the rollout to it. Both watchdogs fire; torchrun ends the run."""
+    """TP=2: rank 1 hangs on entering step 1's rollout, so rank 0 blocks in gloo while gathering every rank's
+    share of the rollout (mppo.rollout.factory). Both watchdogs fire; torchrun ends the run."""
     assets = session_assets(tmp_path_factory)
     hang = "mppo: fault injection [rank 1]: hang at step 1 phase gen"
     launch = train(tiny_overrides(assets, tmp_path / "run", world=2, tp=2, steps=2) +
@@ -32,8 +32,8 @@ def test_hang_in_a_collective_phase_is_reported_by_every_rank_and_ends_the_run(t
         stall = launch.lines(f"mppo: stall [rank {rank}]: no progress for {TIMEOUT_S} s in phase 'gen' of step 1")
         assert len(stall) == 1, launch.output[-4000:]
         assert f"trainer.collective_timeout_s={TIMEOUT_S}" in stall[0]
-    # rank 0's stacks show where it waited: in gloo, broadcasting the rollout
-    assert "broadcast_from_leader" in launch.output
+    # rank 0's stacks show where it waited: in gloo, gathering the rollout's responses
+    assert "all_gather_object" in launch.output and "rollout/factory.py" in launch.output, launch.output[-4000:]
     # It waited the timeout, then ended promptly (far below the process group's own timeout of 2x + 60 s).
     waited = launch.seconds - launch.marks[hang]
     assert TIMEOUT_S <= waited < TIMEOUT_S + GRACE_S + 20, waited
