@@ -81,7 +81,7 @@ def test_scheduler_errors(optim, total, message):
 
 
 def _dims(**kw):
-    base = dict(tp=2, pp=1, vpp=None, dp=2, device=torch.device("cpu"))
+    base = dict(tp=2, pp=1, vpp=None, dp=2, ep=1, device=torch.device("cpu"))
     return SimpleNamespace(**{**base, **kw})
 
 

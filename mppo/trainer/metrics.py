@@ -151,12 +151,25 @@ def perf_metrics(*, num_tokens: int, step_seconds: float, world_size: int, flops
 def memory_metrics(device: torch.device) -> dict[str, float]:
     """This rank's peak memory so far, in GiB: on a GPU veRL's `perf/max_memory_allocated_gb` and
     `perf/max_memory_reserved_gb` (torch's caching allocator); on the CPU `perf/cpu_memory_peak_gb`, the process's
-    peak resident set (getrusage's ru_maxrss, KiB on Linux): everything the rank ever held at once, Python, the
+    peak resident set (the kernel's VmHWM): everything the rank ever held at once, Python, the
     libraries and the allocator's free-but-kept pages included - what `mppo plan` predicts for a CPU rank."""
     if device.type == "cuda":
         return {"perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
                 "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30}
-    return {"perf/cpu_memory_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    return {"perf/cpu_memory_peak_gb": _cpu_peak_kib() / 2**20}
+
+
+def _cpu_peak_kib() -> int:
+    """The kernel's VmHWM for this process (KiB). getrusage's ru_maxrss survives exec: a rank started by a large
+    parent (pytest, a launcher) would report the parent's peak."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 # ------------------------------------------------------------------------------------------------- sinks
