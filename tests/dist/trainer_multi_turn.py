@@ -1,0 +1,137 @@
+"""Multi-turn trainer steps with a scripted tool-calling policy (run by tests/test_trainer_multi_turn.py).
+
+Every rank's rollout engine is tests/scripted_engine.py's ScriptedEngine: conversation c (global prompt index * n +
+sample) calls the calculator first when c is even, then answers; odd conversations answer at once. The trainer's
+own models (a random tiny Qwen2) compute every log-prob, value and loss. Per case, one PPOTrainer runs one
+train_step; the step's batch is gathered over DP on rank 0, which writes out/rank0.json with:
+  * layout: expected vs actual token layout per row (assistant tokens in response_mask, tool tokens attended but out);
+  * HF transformers references from the initial weights: log-probs and entropies of the response tokens;
+  * the step's metrics and the gathered batch, for the hand computations in the test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: scripted_engine
+
+from scripted_engine import ScriptedEngine  # noqa: E402
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3 * 4"}}</tool_call>'
+ANSWER = " <answer>14</answer>"
+DIRECT = " The answer is <answer>2 + 3 * 4</answer>"
+
+
+def policy(conversation: int, tool_turns: int) -> str:
+    if conversation % 2 == 0:
+        return CALL if tool_turns == 0 else ANSWER
+    return DIRECT
+
+
+def hf_stats(batch: dict[str, torch.Tensor], model_path: str, temperature: float):
+    """(log p(response token), entropy) [B, T] of the initial weights, from HF logits of the batch's sequences."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits.float() / temperature
+    p_len, t_len = batch["prompt_mask"].shape[1], batch["responses"].shape[1]
+    logp = torch.log_softmax(logits[:, p_len - 1: p_len - 1 + t_len], dim=-1)
+    token_logp = logp.gather(-1, batch["responses"][..., None]).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return token_logp, entropy
+
+
+def expected_layout(tok, conversation: int) -> tuple[list[int], list[int]]:
+    from mppo.rollout.agent_loop import tool_turn_ids
+
+    def said(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False) + ([] if text.endswith("</tool_call>")
+                                                            else [tok.eos_token_id])
+
+    if conversation % 2:
+        ids = said(DIRECT)
+        return ids, [1] * len(ids)
+    call, tool, answer = said(CALL), tool_turn_ids(tok, ["14"]), said(ANSWER)
+    return call + tool + answer, [1] * len(call) + [0] * len(tool) + [1] * len(answer)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--config", required=True)
+    p.add_argument("--cases", required=True, help="JSON {name: overrides}")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    from mppo.config import load_config
+    from mppo.data import load_tokenizer
+    from mppo.parallel import destroy, init_distributed
+    from mppo.rollout.factory import Rollout, launch_layout
+    from mppo.trainer.rollout_batch import all_gather_rows
+
+    world = int(os.environ["WORLD_SIZE"])
+    result: dict[str, dict] = {}
+    for name, overrides in json.loads(args.cases).items():
+        cfg = load_config(args.config, overrides, world_size=world)
+        init_distributed(1, 1)  # the rollout's gloo group is made on the launch's process group
+        tok = load_tokenizer(cfg.actor_rollout_ref.model.path)
+        rollout = Rollout("cpu", ScriptedEngine(tok, policy), launch_layout(1), free_cache_engine=True,
+                          object_group=dist.new_group(backend="gloo") if world > 1 else None)
+        destroy()
+        from mppo.trainer.fit import PPOTrainer
+
+        trainer = PPOTrainer(cfg, rollout=rollout)
+        captured: list[dict] = []
+        compute = trainer.compute_advantages
+
+        def recording(batch, compute=compute, captured=captured, trainer=trainer):
+            metrics = compute(batch)
+            captured.append({k: all_gather_rows(v.detach().cpu(), trainer.io.dp_group) for k, v in batch.items()
+                             if v.dim() >= 1 and v.shape[0] == batch["responses"].shape[0]})
+            return metrics
+
+        trainer.compute_advantages = recording
+        prompts = next(iter(trainer.data.train_loader))
+        metrics = {k: float(v) for k, v in trainer.train_step(prompts).items()}
+        batch = captured[0]
+        if trainer.is_main:
+            n = cfg.actor_rollout_ref.rollout.n
+            rows = []
+            for r in range(batch["responses"].shape[0]):
+                conversation = int(prompts.indices[r // n]) * n + r % n
+                ids, mask = expected_layout(tok, conversation)
+                length = int(batch["attention_mask"][r, batch["prompt_mask"].shape[1]:].sum())
+                rows.append({"conversation": conversation, "expected_ids": ids, "expected_mask": mask,
+                             "ids": batch["responses"][r, :length].tolist(),
+                             "mask": batch["response_mask"][r, :length].tolist(),
+                             "mask_after": batch["response_mask"][r, length:].tolist(),
+                             "prompt_text": prompts.raw_prompts[r // n],
+                             "assistant_text": tok.decode(batch["responses"][r][batch["response_mask"][r].bool()]
+                                                          .tolist(), skip_special_tokens=False)})
+            hf_logp, hf_entropy = hf_stats(batch, cfg.actor_rollout_ref.model.path,
+                                           cfg.actor_rollout_ref.rollout.temperature)
+            keep = ("response_mask", "uid", "old_log_probs", "rollout_log_probs", "values", "returns",
+                    "advantages", "token_level_rewards", "token_level_scores", "num_tool_calls")
+            result[name] = {"metrics": metrics, "rows": rows, "hf_log_probs": hf_logp.tolist(),
+                            "hf_entropy": hf_entropy.tolist(),
+                            "batch": {k: batch[k].tolist() for k in keep if k in batch}}
+        trainer.watchdog.close()
+        trainer.metrics.close()
+        destroy()
+    if dist.get_rank() == 0:
+        (args.out / "rank0.json").write_text(json.dumps(result))
+    for r in range(1, world):
+        if dist.get_rank() == r:
+            (args.out / f"rank{r}.json").write_text("{}")
+
+
+if __name__ == "__main__":
+    main()
