@@ -52,16 +52,21 @@ class AgentResponse:
 
 
 def tool_turn_ids(tokenizer: Any, tool_texts: list[str]) -> list[int]:
-    """Token ids of tool messages followed by the assistant generation prompt, as the tokenizer's chat template
-    renders them after a conversation (the template's text for the messages alone, without what it puts first)."""
-    base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    """Token ids that follow a turn ending in a tool call: the end of the assistant's message (the turn stopped at
+    `</tool_call>`, before the template's end-of-message, e.g. `<|im_end|>\n`), the tool messages and the next
+    assistant generation prompt, as the tokenizer's chat template renders them after a conversation."""
+    user = [{"role": "user", "content": "q"}]
+    base = user + [{"role": "assistant", "content": "a"}]
+    opened = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
     before = tokenizer.apply_chat_template(base, tokenize=False)
     after = tokenizer.apply_chat_template(base + [{"role": "tool", "content": t} for t in tool_texts],
                                           add_generation_prompt=True, tokenize=False)
     if not after.startswith(before):
         raise ValueError("the chat template renders earlier messages differently once tool messages follow; "
                          "multi-turn rollout needs a template that appends turns")
-    return tokenizer.encode(after[len(before):], add_special_tokens=False)
+    # what the template writes after an assistant message's content (none if it cannot be told apart)
+    closing = before[len(opened) + 1:] if before.startswith(opened + "a") else ""
+    return tokenizer.encode(closing + after[len(before):], add_special_tokens=False)
 
 
 def tool_call_stop_id(tokenizer: Any) -> int:
