@@ -56,11 +56,19 @@ def result(tmp_path_factory):
              + ["algorithm.adv_estimator=gae", "critic.enable=true"]}
     out = run_torchrun(REPO / "tests" / "dist" / "trainer_multi_turn.py", 2, run / "out",
                        ["--config", str(REPO / "configs" / "demo_cpu.yaml"), "--cases", json.dumps(cases)])
-    return out[0]
+    return {**out[0], "group_of_two_ranks": [rank["group_of_two"] for rank in out]}
+
+
+def test_an_engine_group_of_two_ranks_shares_its_first_ranks_tool_messages(result):
+    for rank in result["group_of_two_ranks"]:
+        assert rank["texts"] == ["42"], rank  # rank 1's own run would have said otherwise
+        assert rank["responses_equal"] and rank["num_responses"] == 6, rank
+        assert rank["tool_calls"] == [1, 0] * 3, rank
 
 
 def test_token_layout_assistant_tokens_in_the_mask_tool_tokens_out(result):
-    for name, case in result.items():
+    for name in ("grpo", "gae"):
+        case = result[name]
         rows = case["rows"]
         assert len(rows) == 8 and sorted(r["conversation"] % 2 for r in rows) == [0] * 4 + [1] * 4, name
         for row in rows:

@@ -126,11 +126,43 @@ def main() -> None:
         trainer.watchdog.close()
         trainer.metrics.close()
         destroy()
-    if dist.get_rank() == 0:
-        (args.out / "rank0.json").write_text(json.dumps(result))
-    for r in range(1, world):
-        if dist.get_rank() == r:
-            (args.out / f"rank{r}.json").write_text("{}")
+    group_case = group_of_two(tok) if world == 2 else {}
+    mine = result if dist.get_rank() == 0 else {}
+    (args.out / f"rank{dist.get_rank()}.json").write_text(json.dumps({**mine, "group_of_two": group_case}))
+
+
+def group_of_two(tok) -> dict:
+    """An engine group of both ranks (as an SGLang engine of TP 2, whose ranks all receive the driver's outputs):
+    tools run on the group's first rank and every rank gets its messages, even where its own run would differ;
+    the group's rollout equals the one of a group of one."""
+    from mppo.rollout.agent_loop import AgentLoop
+    from mppo.rollout.base import SamplingParams
+    from mppo.rollout.factory import Rollout, rollout_layout
+    from mppo.rollout.tools import ToolCall
+
+    class RankAgent(AgentLoop):
+        def local_tools(self):
+            if dist.get_rank() == 0:
+                return super().local_tools()
+            return lambda calls: [f"rank {dist.get_rank()}'s own run"] * len(calls)
+
+    agent = RankAgent(tok, 3, 5.0, 64, "middle")
+    rank = dist.get_rank()
+    layout = rollout_layout(2, rank=rank, world=2, local_rank=rank, local_world=2)
+    group, everyone = dist.new_group([0, 1], backend="gloo"), dist.new_group(backend="gloo")
+    engine = ScriptedEngine(tok, policy)
+    engine.update_weights([])
+    rollout = Rollout("sglang", engine, layout, free_cache_engine=False, object_group=everyone, group_comm=group)
+    texts = rollout._group_tools(agent)([ToolCall("calculator", {"expression": "6 * 7"})])
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"question {i}"}],
+                                                  add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+               for i in range(3)]
+    sampling = SamplingParams(n=2, max_new_tokens=160, stop_token_ids=(tok.eos_token_id,))
+    grouped = rollout.generate(prompts, sampling, step=0, first_index=5, agent=agent)
+    alone = agent.generate(engine, prompts, sampling, step=0, prompt_offsets=[5, 6, 7],
+                           run_tools=AgentLoop.local_tools(agent))  # the real tools, on this rank
+    return {"texts": texts, "responses_equal": [vars(r) for r in grouped] == [vars(r) for r in alone],
+            "num_responses": len(grouped), "tool_calls": [r.num_tool_calls for r in grouped]}
 
 
 if __name__ == "__main__":
