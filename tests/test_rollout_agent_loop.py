@@ -242,3 +242,25 @@ def test_hostile_tool_calls_in_a_rollout_are_contained(tmp_path):
         assert r.num_tool_calls == 1 and r.finish_reason == "stop"
         assert r.token_ids[-len(answer_ids):] == answer_ids  # the model went on after the tool message
         assert tool_turn_ids(tok, [text]) == [t for t, m in zip(r.token_ids, r.loss_mask) if m == 0]
+
+
+def test_each_conversation_is_cut_at_its_own_budget_in_a_shared_generate(tmp_path):
+    """Conversations of one generate call have different budgets left (a tool turn took some of one's): each is cut
+    at its own, and a cut one ends "length" with the prefix of what it would have written."""
+    from scripted_engine import ScriptedEngine
+
+    tok = smol_like_tokenizer(tmp_path)
+    long_answer = " " + "1 + " * 30 + "1"  # no stop token inside: generated past its budget, then cut
+    engine = ScriptedEngine(tok, lambda conv, turns: (CALL if turns == 0 else long_answer) if conv == 0 else ANSWER)
+    engine.update_weights([])
+    prompt = tok.encode("<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    call_ids, tool_ids = tok.encode(CALL, add_special_tokens=False), tool_turn_ids(tok, ["14"])
+    limit = len(call_ids) + len(tool_ids) + 5
+    first, second = run_agent_loop(engine, [prompt, prompt], SamplingParams(
+        n=1, max_new_tokens=limit, stop_token_ids=(tok.eos_token_id,)), step=0, prompt_offsets=[0, 1],
+        tokenizer=tok, max_assistant_turns=3, max_response_length=limit, tool_timeout_s=2.0)
+    long_ids = tok.encode(long_answer, add_special_tokens=False)
+    assert first.token_ids == call_ids + tool_ids + long_ids[:5] and first.finish_reason == "length"
+    assert first.loss_mask == [1] * len(call_ids) + [0] * len(tool_ids) + [1] * 5
+    answer_ids = tok.encode(ANSWER, add_special_tokens=False) + [tok.eos_token_id]
+    assert second.token_ids == answer_ids and second.finish_reason == "stop" and second.num_tool_calls == 0

@@ -103,26 +103,26 @@ def run_agent_loop(engine: RolloutEngine, prompt_token_ids: list[list[int]], sam
     active = list(range(len(convs)))
     while active:
         budget = {c: max_response_length - len(convs[c]["ids"]) for c in active}
-        # one generate per distinct budget keeps every request's max_new_tokens exact
-        outputs = {}
-        for remaining in sorted(set(budget.values())):
-            group = [c for c in active if budget[c] == remaining]
-            out = engine.generate([convs[c]["prompt"] + convs[c]["ids"] for c in group],
-                                  replace(turn_sampling, max_new_tokens=remaining), step=step,
+        # One batched generate for every active conversation, at the largest budget; each output is then cut at
+        # its own budget (a sample's first k tokens do not depend on max_new_tokens: its random stream is its own).
+        outputs = engine.generate([convs[c]["prompt"] + convs[c]["ids"] for c in active],
+                                  replace(turn_sampling, max_new_tokens=max(budget.values())), step=step,
                                   prompt_offsets=[convs[c]["conv_id"] + convs[c]["generates"] * _CALL_STRIDE
-                                                  for c in group])
-            outputs.update(zip(group, out))
+                                                  for c in active])
         still, pending = [], []  # pending: (conversation, its parsed calls), run together below
-        for c in active:
-            conv, out = convs[c], outputs[c]
-            conv["ids"] += out.token_ids
-            conv["lps"] += out.log_probs
-            conv["mask"] += [1] * len(out.token_ids)
+        for c, out in zip(active, outputs):
+            conv = convs[c]
+            tokens, log_probs, finish = out.token_ids, out.log_probs, out.finish_reason
+            if len(tokens) > budget[c]:
+                tokens, log_probs, finish = tokens[:budget[c]], log_probs[:budget[c]], "length"
+            conv["ids"] += tokens
+            conv["lps"] += log_probs
+            conv["mask"] += [1] * len(tokens)
             conv["generates"] += 1
-            if out.finish_reason == "length" or not out.token_ids:
-                conv["finish"] = out.finish_reason
+            if finish == "length" or not tokens:
+                conv["finish"] = finish
                 continue
-            if out.token_ids[-1] in eos_ids:  # the model ended its answer
+            if tokens[-1] in eos_ids:  # the model ended its answer
                 conv["finish"] = "stop"
                 continue
             turn_text = tokenizer.decode(conv["ids"][conv["turn_start"]:], skip_special_tokens=False)
