@@ -121,6 +121,8 @@ def test_the_step_loss_equals_the_batch_computed_by_hand(result):
     attended = [[1] * len(r["ids"]) + [0] * (len(masks[0]) - len(r["ids"])) for r in rows]
     pg_all_tokens = -masked_mean([[a] * len(m) for a, m in zip(advantages, masks)], attended)
     assert abs(pg_all_tokens - pg_hand) > 1e-3  # the check can tell tool tokens in from out
+    val = [dense_score(prompt + text) for prompt, text in case["val_expected"]]
+    assert len(val) == 4 and metrics["val/test_score/countdown"] == pytest.approx(sum(val) / len(val), rel=1e-6)
     entropy_hand = masked_mean(case["hf_entropy"], masks)
     assert metrics["actor/entropy"] == pytest.approx(entropy_hand, rel=1e-4)
     assert abs(masked_mean(case["hf_entropy"], attended) - entropy_hand) > 1e-4

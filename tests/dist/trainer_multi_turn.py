@@ -64,6 +64,16 @@ def expected_layout(tok, conversation: int) -> tuple[list[int], list[int]]:
     return call + tool + answer, [1] * len(call) + [0] * len(tool) + [1] * len(answer)
 
 
+def val_expected(trainer, tok) -> list[list[str]]:
+    """(prompt text, the model's tokens as text) of each validation prompt, as the script answers it (n = 1)."""
+    out = []
+    dataset = trainer.data.val_dataset
+    for i in range(len(dataset) - len(dataset) % trainer.dims.dp):
+        ids, mask = expected_layout(tok, i)
+        out.append([dataset[i].raw_prompt, tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)])
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -101,6 +111,7 @@ def main() -> None:
         trainer.compute_advantages = recording
         prompts = next(iter(trainer.data.train_loader))
         metrics = {k: float(v) for k, v in trainer.train_step(prompts).items()}
+        metrics.update(trainer.validate())  # validation rolls out through the agent loop too
         batch = captured[0]
         if trainer.is_main:
             n = cfg.actor_rollout_ref.rollout.n
@@ -121,6 +132,7 @@ def main() -> None:
             keep = ("response_mask", "uid", "old_log_probs", "rollout_log_probs", "values", "returns",
                     "advantages", "token_level_rewards", "token_level_scores", "num_tool_calls")
             result[name] = {"metrics": metrics, "rows": rows, "hf_log_probs": hf_logp.tolist(),
+                            "val_expected": val_expected(trainer, tok),
                             "hf_entropy": hf_entropy.tolist(),
                             "batch": {k: batch[k].tolist() for k in keep if k in batch}}
         trainer.watchdog.close()
