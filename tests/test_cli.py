@@ -18,6 +18,7 @@ RECIPES = {  # recipe -> the world size it is meant for
     "ppo_trainer.yaml": 8,
     "demo.yaml": 2,
     "demo_cpu.yaml": 2,
+    "countdown_tool_smollm2.yaml": 2,
     "countdown_qwen2.5_3b_ppo.yaml": 2,
     "gsm8k_qwen2.5_7b_grpo.yaml": 8,
     "qwen2.5_32b_4node.yaml": 32,

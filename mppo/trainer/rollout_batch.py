@@ -9,6 +9,7 @@ Row r of the batch is sample `r % n` of prompt `r // n` (prompt-major, as engine
     responses      [B·n, T]    T = max_response_length (fixed, so every rank and micro-batch agrees on shapes)
     response_mask  [B·n, T]    1 on tokens in the loss: generated ones (0 on a multi-turn response's tool turns)
     rollout_log_probs [B·n, T] the engine's log-probs (diagnostics: rollout vs actor mismatch)
+    num_tool_calls [B·n]       multi-turn responses only (mppo.rollout.agent_loop): tool calls per response
 """
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def build_rollout_batch(prompts: PromptBatch, responses: Sequence[RolloutRespons
         loss_mask = getattr(resp, "loss_mask", None)  # mppo.rollout.agent_loop.AgentResponse
         response_mask[r, :length] = 1.0 if loss_mask is None else torch.tensor(loss_mask, dtype=torch.float32)
         rollout_log_probs[r, :length] = torch.tensor(resp.log_probs, dtype=torch.float32)
+    multi_turn = {}
+    if responses and hasattr(responses[0], "num_tool_calls"):  # agent loop responses
+        multi_turn["num_tool_calls"] = torch.tensor([r.num_tool_calls for r in responses], dtype=torch.int64)
     prompt_ids = prompts.input_ids.repeat_interleave(n, dim=0)
     prompt_mask = prompts.attention_mask.repeat_interleave(n, dim=0)
     attention_mask = torch.cat([prompt_mask, valid], dim=1)
@@ -55,6 +59,7 @@ def build_rollout_batch(prompts: PromptBatch, responses: Sequence[RolloutRespons
         "rollout_log_probs": rollout_log_probs,
         # Group id of each row: the prompt's GLOBAL dataset index (GRPO-style estimators group by it).
         "uid": prompts.indices.repeat_interleave(n),
+        **multi_turn,  # num_tool_calls [B·n]: tool calls of each multi-turn response
     }
 
 
