@@ -23,7 +23,6 @@ where veRL averages per-micro-batch means); all are averaged over the optimizer 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
@@ -35,11 +34,11 @@ from mppo.core_algos import (AGG_LOSS_MODES, KL_PENALTY_TYPES, PolicyLossParams,
                               compute_policy_loss_bypass_mode, get_policy_loss_fn, kl_penalty)
 from mppo.models.weights import bucketed, iter_hf_weights
 from mppo.parallel import ParallelDims
-from mppo.workers.base import StepMetrics, build_role_model, mean_metrics, response_forward_step
+from mppo.workers.base import StepMetrics, build_role_model
 from mppo.workers.batching import Batch, validate_batch
 from mppo.workers.logprob import compute_response_outputs, make_logprob_fn, response_logprobs
 from mppo.workers.loss_selection import fused_actor_loss, select_loss_path
-from mppo.workers.optim import build_lr_scheduler, build_optimizer, current_lr, wrap_with_ddp
+from mppo.workers.optim import build_lr_scheduler, build_optimizer, wrap_with_ddp
 from mppo.workers.pipeline import broadcast_from_last_stage
 from mppo.workers.training import TrainLoop
 
@@ -171,29 +170,14 @@ class ActorWorker:
         batch = self.loop.to_device(batch)
         if old_log_prob_from_update:
             batch.pop("old_log_probs", None)  # one source of old log-probs: this update's forward
-        lr = current_lr(self.optimizer)
         record = old_log_prob_from_update or self.bypass
         forward = ForwardLogProbs(batch["response_mask"]) if record else None
-        steps, grad_norms, skipped = [], [], 0
-        for mini in self.loop.mini_batches(batch, self.scheduler.num_steps):
-            metrics, info = StepMetrics(ACTOR_METRICS), mini.info
-            step = response_forward_step(
-                lambda model, data: self._loss_fn(model, data, temperature, info, metrics, record), hidden_only=True)
-            result = self.loop.step(mini.micro_batches, step, metrics, info)
-            if forward is not None:
-                forward.add(mini.rows, result.outputs)
-            steps.append(result.metrics)
-            if result.skipped:
-                skipped += 1
-            else:
-                grad_norms.append(result.grad_norm)
-        self.scheduler.step(1)
+        out = self.loop.update(
+            batch, self.scheduler, metric_keys=ACTOR_METRICS, hidden_only=True,
+            make_loss_fn=lambda model, data, info, metrics: self._loss_fn(model, data, temperature, info, metrics,
+                                                                          record),
+            on_step=(lambda mini, result: forward.add(mini.rows, result.outputs)) if forward is not None else None)
         self.forward_log_probs = forward.on_every_stage(self.dims) if forward is not None else None
-        out: dict[str, float | bool] = dict(mean_metrics(steps))
-        out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
-        out["actor/lr"] = lr
-        out["actor/skipped_optimizer_steps"] = skipped
-        out["skipped"] = skipped > 0
         return out
 
     def _check_on_policy(self, rows: int) -> None:

@@ -8,7 +8,6 @@ its optimizer and LR schedule.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Iterator
 
@@ -18,10 +17,10 @@ from mppo.config.schema import CriticConfig, ModelConfig
 from mppo.core_algos import AGG_LOSS_MODES, compute_value_loss, masked_mean
 from mppo.models.weights import bucketed, iter_hf_weights
 from mppo.parallel import ParallelDims
-from mppo.workers.base import StepMetrics, build_role_model, mean_metrics, response_forward_step, response_rows
+from mppo.workers.base import StepMetrics, build_role_model, response_forward_step, response_rows
 from mppo.workers.batching import Batch, validate_batch
 from mppo.workers.logprob import micro_batches_for, run_forward_only
-from mppo.workers.optim import build_lr_scheduler, build_optimizer, current_lr, wrap_with_ddp
+from mppo.workers.optim import build_lr_scheduler, build_optimizer, wrap_with_ddp
 from mppo.workers.training import TrainLoop
 
 CRITIC_METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
@@ -89,24 +88,8 @@ class CriticWorker:
         once."""
         validate_batch(batch, ["values", "returns"])
         batch = self.loop.to_device(batch)
-        lr = current_lr(self.optimizer)
-        steps, grad_norms, skipped = [], [], 0
-        for mini in self.loop.mini_batches(batch, self.scheduler.num_steps):
-            metrics, info = StepMetrics(CRITIC_METRICS), mini.info
-            step = response_forward_step(lambda model, data: self._loss_fn(data, info, metrics), hidden_only=False)
-            result = self.loop.step(mini.micro_batches, step, metrics, info)
-            steps.append(result.metrics)
-            if result.skipped:
-                skipped += 1
-            else:
-                grad_norms.append(result.grad_norm)
-        self.scheduler.step(1)
-        out: dict[str, float | bool] = dict(mean_metrics(steps))
-        out["critic/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
-        out["critic/lr"] = lr
-        out["critic/skipped_optimizer_steps"] = skipped
-        out["skipped"] = skipped > 0
-        return out
+        return self.loop.update(batch, self.scheduler, metric_keys=CRITIC_METRICS, hidden_only=False,
+                                make_loss_fn=lambda model, data, info, metrics: self._loss_fn(data, info, metrics))
 
     def _loss_fn(self, data, info, metrics: StepMetrics):
         def loss_fn(output: torch.Tensor):
