@@ -116,6 +116,18 @@ def test_critic_values_after_update_equal_across_layouts(ranks):
         assert np.abs(np.array(r["critic/tp1pp1/values_after"]) - a).max() <= 1e-5
 
 
+def test_update_metrics_make_no_host_read_per_micro_batch(ranks):
+    # counts of .item()/.tolist()/float()/int()/bool() of a tensor inside each micro-batch's loss function
+    for r in ranks:
+        assert len(r["host_reads/critic"]) == 2 and len(r["host_reads/actor_fused"]) == 2  # micro-batches ran
+        assert r["host_reads/critic"] == [0, 0]
+        # the fused kernel's one read is its label range check (mppo.kernels.fused_logprob), not a metric
+        assert all(n <= 1 for n in r["host_reads/actor_fused"]), r["host_reads/actor_fused"]
+        # the reference path keeps the policy loss's own reads (core_algos returns veRL's float metrics) and
+        # response_logprobs' empty-response check; its own metrics add none
+        assert all(n <= 4 for n in r["host_reads/actor_naive"]), r["host_reads/actor_naive"]
+
+
 @pytest.mark.parametrize("optimizer", ("dist", "plain", "dist_bf16", "plain_bf16"))
 def test_checkpoint_resume_is_exact(ranks, optimizer):
     tag = f"ckpt/{optimizer}"

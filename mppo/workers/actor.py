@@ -34,7 +34,7 @@ from mppo.core_algos import (AGG_LOSS_MODES, KL_PENALTY_TYPES, PolicyLossParams,
                               compute_policy_loss_bypass_mode, get_policy_loss_fn, kl_penalty)
 from mppo.models.weights import bucketed, iter_hf_weights
 from mppo.parallel import ParallelDims
-from mppo.workers.base import StepMetrics, build_role_model
+from mppo.workers.base import StepMetrics, as_float64, build_role_model, share_of
 from mppo.workers.batching import Batch, validate_batch
 from mppo.workers.logprob import compute_response_outputs, make_logprob_fn, response_logprobs
 from mppo.workers.loss_selection import fused_actor_loss, select_loss_path
@@ -196,13 +196,12 @@ class ActorWorker:
 
         def loss_fn(hidden: torch.Tensor):
             if self.loss_path.fused:  # the gradient-in-forward kernel (mppo.workers.loss_selection)
-                loss, contributions, finite, log_prob = fused_actor_loss(
+                loss, contributions, log_prob = fused_actor_loss(
                     model, hidden, data, cfg, info, params=self.policy_params, temperature=temperature,
                     vocab_size=self.hf_args.vocab_size)
                 for key, value in contributions.items():
                     metrics.add(key, value)
-                if not finite:
-                    metrics.loss_nonfinite = 1.0
+                metrics.check_finite(loss)
                 return loss, ({"log_probs": log_prob} if record_log_probs else {})
             log_prob, entropy = response_logprobs(model, hidden, data, self.logprob_fn, temperature=temperature,
                                                   vocab_size=self.hf_args.vocab_size, compute_entropy=True)
@@ -223,16 +222,15 @@ class ActorWorker:
                 kld = kl_penalty(log_prob, data["ref_log_prob"], cfg.kl_loss_type)
                 kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, **info.as_kwargs())
                 loss = loss + cfg.kl_loss_coef * kl_loss
-                metrics.add("actor/kl_loss", kl_loss.item() / dp)
+                metrics.add("actor/kl_loss", share_of(kl_loss, dp))
             # each micro-batch loss is (its share of the global value) x dp: / dp sums to the global value
-            metrics.add("actor/pg_loss", pg_loss.item() / dp)
-            metrics.add("actor/entropy", entropy_loss.item() / dp)
-            token_share = float(mask.sum()) / info.batch_num_tokens
+            metrics.add("actor/pg_loss", share_of(pg_loss, dp))
+            metrics.add("actor/entropy", share_of(entropy_loss, dp))
+            token_share = share_of(mask.sum(), info.batch_num_tokens)
             for key, value in pg_metrics.items():
                 if key in ACTOR_METRICS:
-                    metrics.add(key, float(value) * token_share)
-            if not bool(torch.isfinite(loss)):
-                metrics.loss_nonfinite = 1.0
+                    metrics.add(key, as_float64(value) * token_share)
+            metrics.check_finite(loss)
             return loss, ({"log_probs": log_prob.detach()} if record_log_probs else {})
 
         return loss_fn

@@ -17,7 +17,8 @@ from mppo.config.schema import CriticConfig, ModelConfig
 from mppo.core_algos import AGG_LOSS_MODES, compute_value_loss, masked_mean
 from mppo.models.weights import bucketed, iter_hf_weights
 from mppo.parallel import ParallelDims
-from mppo.workers.base import StepMetrics, build_role_model, response_forward_step, response_rows
+from mppo.workers.base import (StepMetrics, as_float64, build_role_model, response_forward_step, response_rows,
+                               share_of)
 from mppo.workers.batching import Batch, validate_batch
 from mppo.workers.logprob import micro_batches_for, run_forward_only
 from mppo.workers.optim import build_lr_scheduler, build_optimizer, wrap_with_ddp
@@ -98,12 +99,11 @@ class CriticWorker:
             vf_loss, vf_clipfrac = compute_value_loss(vpreds, data["returns"], data["values"], mask,
                                                       self.cfg.cliprange_value, self.cfg.loss_agg_mode,
                                                       **info.as_kwargs())
-            token_share = float(mask.sum()) / info.batch_num_tokens
-            metrics.add("critic/vf_loss", vf_loss.item() / info.dp_size)
-            metrics.add("critic/vf_clipfrac", float(vf_clipfrac) * token_share)
-            metrics.add("critic/vpred_mean", float(masked_mean(vpreds.detach(), mask)) * token_share)
-            if not bool(torch.isfinite(vf_loss)):
-                metrics.loss_nonfinite = 1.0
+            token_share = share_of(mask.sum(), info.batch_num_tokens)
+            metrics.add("critic/vf_loss", share_of(vf_loss, info.dp_size))
+            metrics.add("critic/vf_clipfrac", as_float64(vf_clipfrac) * token_share)
+            metrics.add("critic/vpred_mean", as_float64(masked_mean(vpreds.detach(), mask)) * token_share)
+            metrics.check_finite(vf_loss)
             return vf_loss, {}
         return loss_fn
 

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models_fixtures import load_hf_model, make_hf_model  # noqa: E402
-from workers_fixtures import (TEMPERATURE, add_value_head, dp_shard, hf_response_logprobs, hf_values,  # noqa: E402
-                              make_batch, max_state_diff, mean_steps, reference_actor_updates,
-                              reference_critic_updates)
+from workers_fixtures import (TEMPERATURE, add_value_head, count_host_reads, dp_shard,  # noqa: E402
+                              hf_response_logprobs, hf_values, make_batch, max_state_diff, mean_steps,
+                              reference_actor_updates, reference_critic_updates)
 
 # (tp, pp, vpp, logprob_impl, use_dynamic_bsz): every layout of 4 ranks, both log-prob paths, both batchings
 ACTOR_LAYOUTS = [(2, 2, None, "fused", False), (1, 1, None, "naive", False), (2, 1, None, "fused", True),
@@ -331,6 +331,48 @@ class Cases:
             self.res[f"{key}/values_after"] = critic.compute_values(self.batch).tolist()
             destroy()
 
+    def host_reads(self) -> None:
+        """Tensor -> host reads (device syncs on a GPU) inside each micro-batch's loss function of an update: the
+        metrics accumulate on the device and are read once per optimizer step (StepMetrics.reduce)."""
+        from mppo.config.schema import CriticConfig, MegatronConfig, ModelConfig, OptimConfig
+        from mppo.parallel import destroy, init_distributed
+        from mppo.workers.actor import ActorWorker
+        from mppo.workers.critic import CriticWorker
+
+        def counting(make_loss_fn, reads: list[int]):
+            def make(*args, **kwargs):
+                loss_fn = make_loss_fn(*args, **kwargs)
+
+                def counted(output):
+                    counts: dict[str, int] = {}
+                    with count_host_reads(counts):
+                        result = loss_fn(output)
+                    reads.append(sum(counts.values()))
+                    return result
+                return counted
+            return make
+
+        dims = init_distributed(1, 1, seed=1234)
+        shard = dp_shard(self.batch, dims.dp, dims.dp_rank)
+        for impl in ("fused", "naive"):
+            actor = ActorWorker(ModelConfig(), actor_config(1, 1, None, impl=impl), dims, self.work / "actor",
+                                total_steps=4)
+            reads: list[int] = []
+            actor._loss_fn = counting(actor._loss_fn, reads)
+            actor.update(shard, temperature=TEMPERATURE)
+            self.res[f"host_reads/actor_{impl}"] = reads
+        cfg = CriticConfig(ppo_mini_batch_size=MINI, ppo_micro_batch_size_per_gpu=1, use_dynamic_bsz=False,
+                           ppo_epochs=1, cliprange_value=CLIPRANGE_VALUE, loss_agg_mode="token-mean",
+                           optim=OptimConfig(lr=OPTIM["lr"], eps=OPTIM["eps"], clip_grad=OPTIM["clip_grad"]),
+                           megatron=MegatronConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                                   seed=0))
+        critic = CriticWorker(ModelConfig(), cfg, dims, self.work / "critic", total_steps=4)
+        reads = []
+        critic._loss_fn = counting(critic._loss_fn, reads)
+        critic.update(shard)
+        self.res["host_reads/critic"] = reads
+        destroy()
+
     # ---------------------------------------------------------------------------------------- checkpoints
     def checkpoints(self) -> None:
         from mppo.config.schema import ModelConfig
@@ -441,7 +483,7 @@ def main() -> None:
     try:
         cases.setup()
         for case in (cases.actor_layouts, cases.global_normalisation, cases.tied_embeddings, cases.nan_skip,
-                     cases.bf16_training, cases.critic, cases.checkpoints):
+                     cases.bf16_training, cases.critic, cases.host_reads, cases.checkpoints):
             case()
     except Exception:
         res["crash"] = traceback.format_exc()
