@@ -1,10 +1,9 @@
-"""What the actor, critic and reference workers share: building a role's model from the config, the forward
-step that reads the model's output at the response positions, and metric reduction over ranks."""
+"""What the actor, critic and reference workers share: building a role's model from the config, reading the model's
+output at the response positions, and metric reduction over ranks (the forward step is mppo.workers.pipeline's)."""
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,7 +14,7 @@ from mppo.models.builders import Role, build_gpt_model, unwrap_model
 from mppo.models.hf_config import HFModelArgs, read_hf_config
 from mppo.models.weights import load_hf_weights
 from mppo.parallel import ParallelDims, ParallelLayoutError
-from mppo.workers.pipeline import Batch, ForwardStep, LossFn
+from mppo.workers.batching import Batch
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -70,26 +69,6 @@ def build_role_model(hf_dir: str | Path, dims: ParallelDims, *, role: Role, mode
     return args, chunks, dtype
 
 
-@contextlib.contextmanager
-def _skip_output_layer(model: nn.Module):
-    """A last-stage GPTModel returns its final (normed) hidden states [s, b, h] instead of logits:
-    GPTModel._postprocess returns the decoder output when post_process is False (the final norm still runs)."""
-    core = unwrap_model(model)
-    saved = core.post_process
-    core.post_process = False
-    try:
-        yield
-    finally:
-        core.post_process = saved
-
-
-def stage_forward(model: nn.Module, input_ids: torch.Tensor, *, hidden_only: bool) -> torch.Tensor:
-    """One chunk's forward on a right-padded micro-batch (positions 0..s-1, causal attention)."""
-    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    with _skip_output_layer(model) if hidden_only else contextlib.nullcontext():
-        return model(input_ids, position_ids, None)
-
-
 def response_rows(output: torch.Tensor, data: Batch, valid_only: bool) -> torch.Tensor:
     """The model output [s, b, ...] at the positions that predict the response tokens.
 
@@ -100,18 +79,6 @@ def response_rows(output: torch.Tensor, data: Batch, valid_only: bool) -> torch.
     if valid_only:
         return output[index[valid], rows[valid]]
     return output[index, rows]
-
-
-def response_forward_step(make_loss_fn: Callable[[nn.Module, Batch], LossFn], *, hidden_only: bool) -> ForwardStep:
-    """A run_pipeline forward step: every stage runs its chunk; the last stage hands its output to the
-    `make_loss_fn(model, micro_batch)` closure (which reads the response positions with `response_rows`)."""
-
-    def forward_step(model: nn.Module, batch: Batch):
-        last = unwrap_model(model).post_process
-        output = stage_forward(model, batch["input_ids"], hidden_only=hidden_only and last)
-        return output, (make_loss_fn(model, batch) if last else None)
-
-    return forward_step
 
 
 def output_weight(model: nn.Module) -> torch.Tensor:

@@ -9,19 +9,19 @@ its optimizer and LR schedule.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
+from torch import nn
 
 from mppo.config.schema import CriticConfig, ModelConfig
 from mppo.core_algos import AGG_LOSS_MODES, compute_value_loss, masked_mean
 from mppo.models.weights import bucketed, iter_hf_weights
 from mppo.parallel import ParallelDims
-from mppo.workers.base import (StepMetrics, as_float64, build_role_model, response_forward_step, response_rows,
-                               share_of)
+from mppo.workers.base import StepMetrics, as_float64, build_role_model, response_rows, share_of
 from mppo.workers.batching import Batch, validate_batch
-from mppo.workers.logprob import micro_batches_for, run_forward_only
 from mppo.workers.optim import build_lr_scheduler, build_optimizer, wrap_with_ddp
+from mppo.workers.pipeline import micro_batches_for, response_forward_step, run_forward_only
 from mppo.workers.training import TrainLoop
 
 CRITIC_METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
@@ -31,6 +31,26 @@ def _response_values(output: torch.Tensor, data: Batch) -> torch.Tensor:
     """Value-head output [b, s, 1] (GPTModel returns batch-first outputs) -> fp32 values [b, T] at the positions
     before each response token."""
     return response_rows(output.squeeze(-1).float().t(), data, valid_only=False)
+
+
+def compute_response_values(model_chunks: Sequence[nn.Module], batch: Batch, *, micro_batch_size: int | None,
+                            max_token_len: int | None, phase: str = "critic/values") -> torch.Tensor:
+    """Forward-only values [B, T] fp32 of a validated batch's response positions (0 where response_mask is 0), on
+    every rank (`phase`: its name in TOKEN_COUNTER)."""
+    rows = torch.arange(batch["input_ids"].shape[0])
+    micro = micro_batches_for(batch, rows, model_chunks, micro_batch_size=micro_batch_size,
+                              max_token_len=max_token_len)
+
+    def make_loss_fn(model, data):
+        def loss_fn(output):
+            values = _response_values(output, data)
+            return values.sum(), {"values": values}
+        return loss_fn
+
+    with torch.no_grad():
+        outs = run_forward_only(model_chunks, micro, response_forward_step(make_loss_fn, hidden_only=False),
+                                len(rows), phase=phase)
+    return outs["values"] * batch["response_mask"].to(outs["values"].dtype)
 
 
 class CriticWorker:
@@ -68,20 +88,8 @@ class CriticWorker:
         validate_batch(batch)
         batch = self.loop.to_device(batch)
         micro_batch_size, max_token_len = self.loop.micro_batching(micro_batch_size, max_token_len)
-        rows = torch.arange(batch["input_ids"].shape[0])
-        micro = micro_batches_for(batch, rows, self.model, micro_batch_size=micro_batch_size,
-                                  max_token_len=max_token_len)
-
-        def make_loss_fn(model, data):
-            def loss_fn(output):
-                values = _response_values(output, data)
-                return values.sum(), {"values": values}
-            return loss_fn
-
-        with torch.no_grad():
-            outs = run_forward_only(self.model, micro, response_forward_step(make_loss_fn, hidden_only=False),
-                                    len(rows), phase="critic/values")
-        return outs["values"] * batch["response_mask"].to(outs["values"].dtype)
+        return compute_response_values(self.model, batch, micro_batch_size=micro_batch_size,
+                                       max_token_len=max_token_len)
 
     def update(self, batch: Batch) -> dict[str, float | bool]:
         """Value-loss update on this DP rank's shard (needs `values` and `returns`); global metrics on every

@@ -16,11 +16,10 @@ from torch import nn
 
 from mppo.core_algos import GlobalBatchInfo
 from mppo.parallel import ParallelDims
-from mppo.workers.base import StepMetrics, mean_metrics, response_forward_step
+from mppo.workers.base import StepMetrics, mean_metrics
 from mppo.workers.batching import Batch, BatchError, global_batch_info, mini_batch_rows
-from mppo.workers.logprob import micro_batches_for, pipeline_inputs
 from mppo.workers.optim import current_lr, forward_backward, optimizer_step
-from mppo.workers.pipeline import ForwardStep, LossFn
+from mppo.workers.pipeline import ForwardStep, LossFn, micro_batches_for, pipeline_inputs, response_forward_step
 
 # (model chunk, micro-batch, the mini-batch's global facts, the step's metrics) -> the last stage's loss_fn, which
 # adds the micro-batch's metric contributions to the StepMetrics

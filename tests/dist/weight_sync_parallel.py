@@ -2,7 +2,7 @@
 
 One launch runs every case and writes out/rank{R}.json; tests/test_weight_sync.py asserts on them. References are
 independent of the code under test: the HF checkpoint's safetensors files (weights), the megatron actor's own
-forward through compute_token_logprobs (log-probs), and the rollouts of other layouts (seeding).
+forward through the workers' log-prob path (tests/dist/next_token.py), and the rollouts of other layouts (seeding).
 
 In every layout the engine lives on the first rank of each DP group's model-parallel group (tp_rank 0, pp_rank 0);
 that engine generates its DP slice of the global prompt list. Global rank 0 also generates the WHOLE list (DP1).
@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models_fixtures import make_hf_model  # noqa: E402
+from next_token import token_logprobs  # noqa: E402
 
 LAYOUTS = [(2, 2), (2, 1), (1, 2), (1, 1)]  # (tp, pp); DP = 4 / (tp * pp)
 BUCKET_BYTES = 30_000  # several buckets for the tiny models (a layer's MLP weight alone is ~25 kB)
@@ -63,9 +64,7 @@ def bitwise_report(engine, hf_dir: Path) -> str:
 
 def actor_logprob_diff(chunks, args, rows: list[list], prompts: list[list[int]], temperature: float) -> float:
     """max |engine rollout log-prob - actor log-prob| over every response token of `rows` (right-padded rows,
-    column t of compute_token_logprobs is token t+1)."""
-    from mppo.workers.pipeline import compute_token_logprobs
-
+    column t of the log-probs is token t+1)."""
     seqs = [(prompts[p], tokens, lps) for p, _, tokens, lps, _ in rows]
     micro = []
     for i in range(0, len(seqs), 4):
@@ -75,7 +74,7 @@ def actor_logprob_diff(chunks, args, rows: list[list], prompts: list[list[int]],
         for j, (p, t, _) in enumerate(part):
             ids[j, :len(p) + len(t)] = torch.tensor(p + t)
         micro.append({"input_ids": ids})
-    outs = compute_token_logprobs(chunks, micro, vocab_size=args.vocab_size, temperature=temperature)
+    outs = token_logprobs(chunks, micro, vocab_size=args.vocab_size, temperature=temperature, micro_batch_size=4)
     worst = 0.0
     for i, out in enumerate(outs):
         for j, (p, t, lps) in enumerate(seqs[i * 4:(i + 1) * 4]):
