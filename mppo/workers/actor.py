@@ -1,6 +1,7 @@
 """The actor: the policy as megatron-core GPTModel chunks (DDP-wrapped), its optimizer and LR schedule.
 
-- `compute_log_prob`: forward-only per-token log-probs (and entropy) of the response tokens.
+- `compute_log_prob` / `compute_log_prob_outputs`: forward-only per-token log-probs (and entropy) of the
+  response tokens.
 - `update`: `ppo_epochs` x mini-batches x micro-batches of PPO through the pipeline schedule, one optimizer
   step per mini-batch. On-policy (one epoch, one mini-batch), the old log-probs can come from the update's own
   forward, detached, instead of a separate `compute_log_prob` pass (veRL's and TRL's on-policy shortcut).
@@ -125,13 +126,12 @@ class ActorWorker:
 
     # ------------------------------------------------------------------------------------------ inference
     def compute_log_prob(self, batch: Batch, *, temperature: float, micro_batch_size: int | None = None,
-                         max_token_len: int | None = None,
-                         calculate_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(log_probs [B, T] fp32, entropy [B, T] or None) of the response tokens, on every rank; 0 where the
-        response is padding. Micro-batches by count or token budget (default: the actor's update settings)."""
-        outs = self.compute_log_prob_outputs(batch, temperature=temperature, micro_batch_size=micro_batch_size,
-                                             max_token_len=max_token_len, calculate_entropy=calculate_entropy)
-        return outs["log_probs"], outs.get("entropy")
+                         max_token_len: int | None = None) -> torch.Tensor:
+        """Log-probs [B, T] fp32 of the response tokens on every rank (0 where the response is padding), as
+        ReferenceWorker.compute_log_prob returns them; `compute_log_prob_outputs` adds entropy. Micro-batches by
+        count or token budget (default: the actor's update settings)."""
+        return self.compute_log_prob_outputs(batch, temperature=temperature, micro_batch_size=micro_batch_size,
+                                             max_token_len=max_token_len)["log_probs"]
 
     def compute_log_prob_outputs(self, batch: Batch, *, temperature: float, micro_batch_size: int | None = None,
                                  max_token_len: int | None = None, calculate_entropy: bool = False,

@@ -41,7 +41,7 @@ def run_case(config: str, overrides: list[str], engine_temperature: float | None
     def recording_update(batch, **kwargs):
         captured.update({k: batch[k].detach().cpu().tolist() for k in CAPTURED if k in batch})
         if trainer.rollout_corr.bypass:  # what the update's first forward sees (same weights, no grad)
-            log_probs, _ = trainer.actor.compute_log_prob(batch, temperature=kwargs["temperature"])
+            log_probs = trainer.actor.compute_log_prob(batch, temperature=kwargs["temperature"])
             captured["actor_log_probs"] = log_probs.cpu().tolist()
         return update(batch, **kwargs)
 

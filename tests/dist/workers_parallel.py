@@ -109,15 +109,16 @@ class Cases:
             hf_lp = self.hf_lp[dims.dp_rank::dims.dp]
             actor = ActorWorker(ModelConfig(), actor_config(tp, pp, vpp, impl=impl, dynamic=dynamic), dims,
                                 self.work / "actor", total_steps=4)
-            lp, ent = actor.compute_log_prob(shard, temperature=TEMPERATURE, calculate_entropy=True)
+            outs = actor.compute_log_prob_outputs(shard, temperature=TEMPERATURE, calculate_entropy=True)
+            lp, ent = outs["log_probs"], outs["entropy"]
             self.res[f"{key}/log_probs_vs_hf"] = (lp - hf_lp).abs().max().item()
             self.res[f"{key}/entropy_vs_hf"] = (ent - self.hf_ent[dims.dp_rank::dims.dp]).abs().max().item()
             if key == "tp2pp2":
-                by_tokens, _ = actor.compute_log_prob(shard, temperature=TEMPERATURE, max_token_len=26)
+                by_tokens = actor.compute_log_prob(shard, temperature=TEMPERATURE, max_token_len=26)
                 self.res[f"{key}/token_budget_vs_count"] = (by_tokens - lp).abs().max().item()
                 naive = ActorWorker(ModelConfig(), actor_config(tp, pp, vpp, impl="naive"), dims,
                                     self.work / "actor", total_steps=4)
-                nlp, _ = naive.compute_log_prob(shard, temperature=TEMPERATURE, micro_batch_size=3)
+                nlp = naive.compute_log_prob(shard, temperature=TEMPERATURE, micro_batch_size=3)
                 self.res[f"{key}/naive_vs_fused"] = (nlp - lp).abs().max().item()
                 ref = ReferenceWorker(ModelConfig(), RefConfig(log_prob_micro_batch_size_per_gpu=2), dims,
                                       self.work / "actor", logprob_impl="fused", kernel_backend="torch")
@@ -246,7 +247,7 @@ class Cases:
             actor = ActorWorker(ModelConfig(dtype=dtype), actor_config(2, 1, None, mini=8), dims,
                                 self.work / "actor", total_steps=4)
             before = exported(actor)
-            lp, _ = actor.compute_log_prob(shard, temperature=TEMPERATURE)
+            lp = actor.compute_log_prob(shard, temperature=TEMPERATURE)
             metrics = actor.update(shard, temperature=TEMPERATURE)  # one mini-batch: one optimizer step
             after = exported(actor)
             runs[dtype] = {"lp": lp, "metrics": metrics, "delta": {k: after[k].float() - before[k].float()
@@ -256,10 +257,10 @@ class Cases:
                 self.res["bf16/export_dtypes"] = sorted({str(t.dtype) for t in before.values()})
                 naive = ActorWorker(ModelConfig(dtype=dtype), actor_config(2, 1, None, impl="naive", mini=8), dims,
                                     self.work / "actor", total_steps=4)
-                fused_lp, _ = ActorWorker(ModelConfig(dtype=dtype), actor_config(2, 1, None, mini=8), dims,
-                                          self.work / "actor", total_steps=4).compute_log_prob(
-                                              shard, temperature=TEMPERATURE)
-                naive_lp, _ = naive.compute_log_prob(shard, temperature=TEMPERATURE)
+                fused_lp = ActorWorker(ModelConfig(dtype=dtype), actor_config(2, 1, None, mini=8), dims,
+                                       self.work / "actor", total_steps=4).compute_log_prob(
+                                           shard, temperature=TEMPERATURE)
+                naive_lp = naive.compute_log_prob(shard, temperature=TEMPERATURE)
                 self.res["bf16/naive_vs_fused_log_probs"] = (naive_lp - fused_lp).abs().max().item()
         f32, b16 = runs["fp32"], runs["bf16"]
         self.res["bf16/log_probs_vs_fp32"] = (b16["lp"] - f32["lp"]).abs().max().item()
@@ -409,7 +410,7 @@ class Cases:
             save_worker_checkpoint(actor, path, extra_state={"step": 1, "data": [3, 4]})
             saved_weights = exported(actor)
             draw = rng_draw()
-            lp1, _ = actor.compute_log_prob(full, temperature=TEMPERATURE)
+            lp1 = actor.compute_log_prob(full, temperature=TEMPERATURE)
             m2 = actor.update(full, temperature=TEMPERATURE)
             if dtype == "fp32":
                 ckpts[dist_opt] = (path, exported(actor), m2, saved_weights, lp1)
@@ -449,7 +450,7 @@ class Cases:
         self.res["ckpt/rng_layout_error"] = errors(lambda: load_worker_checkpoint(actor, ckpts[True][0],
                                                                                    load_optimizer=False))
         load_worker_checkpoint(actor, ckpts[True][0], load_optimizer=False, load_rng=False)
-        lp, _ = actor.compute_log_prob(full, temperature=TEMPERATURE)
+        lp = actor.compute_log_prob(full, temperature=TEMPERATURE)
         self.res["ckpt/tp1_log_probs_vs_tp2pp2"] = (lp - ckpts[True][4]).abs().max().item()
         self.res["ckpt/tp1_weights_bitwise"] = max_state_diff(exported(actor), ckpts[True][3]) == 0.0
 
