@@ -8,17 +8,16 @@ independent of the code under test: HF transformers' forward and autograd, the o
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # + dist_util
+from dist_util import rank_main  # noqa: E402
 from models_fixtures import QWEN3_MODELS, load_hf_model, make_hf_model, save_tiny_tokenizer  # noqa: E402
 from models_parallel import (TEMPERATURE, compare_hf_dirs, hf_reference, max_diff, micro_batches,  # noqa: E402
                              run_logits)
@@ -282,23 +281,7 @@ def convert_cases(work, res, rank, batches, refs, tp1_logits) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    opts = parser.parse_args()
-    work = opts.out / "work"
-    rank = int(os.environ["RANK"])
-    res: dict = {}
-    from mppo.parallel import destroy, init_distributed
-
-    init_distributed(1, 1)  # the process group; layouts are rebuilt per case
-    destroy()
-    try:
-        run_cases(work, res, rank)
-    except Exception:
-        res["crash"] = traceback.format_exc()
-        raise
-    finally:
-        (opts.out / f"rank{rank}.json").write_text(json.dumps(res, indent=1))
+    rank_main(lambda opts, res: run_cases(opts.out / "work", res, int(os.environ["RANK"])))
 
 
 if __name__ == "__main__":

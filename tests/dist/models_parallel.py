@@ -7,17 +7,16 @@ transformers' forward, naive log-softmax/entropy, the original safetensors files
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # + dist_util
+from dist_util import rank_main  # noqa: E402
 from models_fixtures import MODELS, load_hf_model, make_hf_model, save_tiny_tokenizer  # noqa: E402
 from next_token import (next_token_loss_step, token_logits, token_logprobs, token_values,  # noqa: E402
                         unpadded_micro_batches)
@@ -378,23 +377,7 @@ def compare_hf_dirs(src: Path, dst: Path, expect_index: bool = True) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    opts = parser.parse_args()
-    work = opts.out / "work"
-    rank = int(os.environ["RANK"])
-    res: dict = {}
-    from mppo.parallel import init_distributed, destroy
-
-    init_distributed(1, 1)  # the process group; layouts are rebuilt per case
-    destroy()
-    try:
-        run_cases(work, res, rank)
-    except Exception:
-        res["crash"] = traceback.format_exc()
-        raise
-    finally:
-        (opts.out / f"rank{rank}.json").write_text(json.dumps(res, indent=1))
+    rank_main(lambda opts, res: run_cases(opts.out / "work", res, int(os.environ["RANK"])))
 
 
 if __name__ == "__main__":

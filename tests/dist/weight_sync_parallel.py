@@ -9,17 +9,15 @@ that engine generates its DP slice of the global prompt list. Global rank 0 also
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # + dist_util
+from dist_util import rank_main  # noqa: E402
 from models_fixtures import make_hf_model  # noqa: E402
 from next_token import token_logprobs  # noqa: E402
 
@@ -329,30 +327,19 @@ def staging_lifecycle(hf_dir: Path, res: dict, key: str, chunks, args, opts_out:
             shutil.rmtree(shm_dir, ignore_errors=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    opts = parser.parse_args()
+def run_layouts(opts, res: dict) -> None:
     work = opts.out / "work"
-    rank = int(os.environ["RANK"])
-    torch.set_num_threads(1)  # the CPU engine is batch-invariant (DP splits bitwise equal) single-threaded
-    res: dict = {}
-    from mppo.parallel import destroy, init_distributed
+    if dist.get_rank() == 0:
+        make_hf_model("qwen2_untied", work / "qwen2_untied", seed=0)
+        make_hf_model("qwen2_tied", work / "qwen2_tied", seed=1)
+    dist.barrier()
+    for tp, pp in LAYOUTS:
+        run_layout(work, res, tp, pp)
 
-    init_distributed(1, 1)  # the process group; layouts are rebuilt per case
-    destroy()
-    try:
-        if rank == 0:
-            make_hf_model("qwen2_untied", work / "qwen2_untied", seed=0)
-            make_hf_model("qwen2_tied", work / "qwen2_tied", seed=1)
-        dist.barrier()
-        for tp, pp in LAYOUTS:
-            run_layout(work, res, tp, pp)
-    except Exception:
-        res["crash"] = traceback.format_exc()
-        raise
-    finally:
-        (opts.out / f"rank{rank}.json").write_text(json.dumps(res))
+
+def main() -> None:
+    torch.set_num_threads(1)  # the CPU engine is batch-invariant (DP splits bitwise equal) single-threaded
+    rank_main(run_layouts)
 
 
 if __name__ == "__main__":

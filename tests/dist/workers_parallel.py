@@ -6,19 +6,17 @@ log-probs, torch.optim.AdamW (tests/dist/workers_fixtures.py), and runs of the w
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
 import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # + dist_util
+from dist_util import rank_main  # noqa: E402
 from models_fixtures import load_hf_model, make_hf_model  # noqa: E402
 from workers_fixtures import (TEMPERATURE, add_value_head, count_host_reads, dp_shard,  # noqa: E402
                               hf_response_logprobs, hf_values, make_batch, max_state_diff, mean_steps,
@@ -469,28 +467,16 @@ class Cases:
         destroy()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    opts = parser.parse_args()
-    work = opts.out / "work"
-    rank = int(os.environ["RANK"])
-    res: dict = {}
-    from mppo.parallel import destroy, init_distributed
+def run_cases(opts, res: dict) -> None:
+    cases = Cases(opts.out / "work", res, int(os.environ["RANK"]))
+    cases.setup()
+    for case in (cases.actor_layouts, cases.global_normalisation, cases.tied_embeddings, cases.nan_skip,
+                 cases.bf16_training, cases.critic, cases.host_reads, cases.checkpoints):
+        case()
 
-    init_distributed(1, 1)  # the process group; layouts are rebuilt per case
-    destroy()
-    cases = Cases(work, res, rank)
-    try:
-        cases.setup()
-        for case in (cases.actor_layouts, cases.global_normalisation, cases.tied_embeddings, cases.nan_skip,
-                     cases.bf16_training, cases.critic, cases.host_reads, cases.checkpoints):
-            case()
-    except Exception:
-        res["crash"] = traceback.format_exc()
-        raise
-    finally:
-        (opts.out / f"rank{rank}.json").write_text(json.dumps(res, indent=1, default=str))
+
+def main() -> None:
+    rank_main(run_cases)
 
 
 if __name__ == "__main__":
