@@ -142,18 +142,6 @@ def vocab_parallel_sum_pi_squared(hidden: torch.Tensor, weight: torch.Tensor, *,
     return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
 
 
-def compute_response_logprobs(model_chunks: Sequence[nn.Module], batch: Batch, logprob_fn: TokenLogProbFn, *,
-                              vocab_size: int, temperature: float, micro_batch_size: int | None,
-                              max_token_len: int | None, calculate_entropy: bool,
-                              phase: str = "log_prob") -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Forward-only log-probs [B, T] (and entropy) of a validated batch, on every rank (`phase`: its name in
-    TOKEN_COUNTER)."""
-    outs = compute_response_outputs(model_chunks, batch, logprob_fn, vocab_size=vocab_size, temperature=temperature,
-                                    micro_batch_size=micro_batch_size, max_token_len=max_token_len,
-                                    calculate_entropy=calculate_entropy, phase=phase)
-    return outs["log_probs"], outs.get("entropy")
-
-
 def compute_response_outputs(model_chunks: Sequence[nn.Module], batch: Batch, logprob_fn: TokenLogProbFn, *,
                              vocab_size: int, temperature: float, micro_batch_size: int | None,
                              max_token_len: int | None, calculate_entropy: bool = False,
