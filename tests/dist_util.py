@@ -41,6 +41,21 @@ def run_torchrun(script: str | Path, nproc: int, out_dir: Path, args: list[str] 
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
+def run_cases(script: str | Path, nproc: int, out_dir: Path, **kwargs) -> list[dict]:
+    """run_torchrun for a script built on `rank_main`: every rank's results, failing on a rank's crash traceback."""
+    results = run_torchrun(script, nproc, out_dir, **kwargs)
+    for r in results:
+        assert "crash" not in r, r["crash"]
+    return results
+
+
+def on_every_rank(ranks: list[dict], key: str) -> list:
+    """`key`'s value on every rank, failing with the ranks that did not report it."""
+    missing = [i for i, r in enumerate(ranks) if key not in r]
+    assert not missing, f"{key} missing on ranks {missing}"
+    return [r[key] for r in ranks]
+
+
 def rank_main(run: Callable[[argparse.Namespace, dict], None], *,
               add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
               process_group: bool = True) -> None:
