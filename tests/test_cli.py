@@ -92,14 +92,6 @@ def test_dry_run_without_a_file_prints_the_defaults(capsys):
     assert code == 0 and yaml.safe_load(out) == yaml.safe_load(to_yaml(load_config(None)))
 
 
-def test_train_without_trainer_says_not_available(capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "mppo.trainer", None)  # as if the trainer had not landed
-    code, out, err = run(capsys, "train", str(REPO / "configs/demo_cpu.yaml"))
-    assert (code, out) == (2, "")
-    assert err == ("mppo: error: training is not available yet: the PPO trainer (issue 6) has not landed; "
-                   "use --dry-run to check a config\n")
-
-
 def test_train_hands_the_config_to_the_trainer(capsys, monkeypatch):
     received = []
     fake_module(monkeypatch, "mppo.trainer", run=lambda cfg: received.append(cfg) or 3)
