@@ -132,7 +132,9 @@ def mppo_threads(opts: argparse.Namespace) -> int:
 def run_trl(opts: argparse.Namespace, assets: Path, work: Path, prompts: list[str], seed: int) -> dict[str, Any]:
     prompts_file, out = work / "prompts.json", work / "trl.json"
     prompts_file.write_text(json.dumps(prompts))
-    cmd = [str(opts.venv / "bin" / "python"), str(TRL_SCRIPT), "--model", str(assets / "model"), "--prompts",
+    # -P: the script's directory (mppo/bench, which holds kernels.py) must not shadow the `kernels` package that
+    # transformers probes for; that module imports mppo, which TRL's venv does not have
+    cmd = [str(opts.venv / "bin" / "python"), "-P", str(TRL_SCRIPT), "--model", str(assets / "model"), "--prompts",
            str(prompts_file), "--out", str(out), "--steps", str(opts.steps), "--prompts-per-step",
            str(opts.prompts_per_step), "--group", str(opts.group), "--response-length", str(opts.response_length),
            "--lr", str(opts.lr), "--seed", str(seed), "--workdir", str(work / "trl-out"),
