@@ -82,3 +82,16 @@ def rank_main(run: Callable[[argparse.Namespace, dict], None], *,
     finally:
         opts.out.mkdir(parents=True, exist_ok=True)
         (opts.out / f"rank{rank}.json").write_text(json.dumps(res, indent=1, default=str))
+
+
+def hf_response_log_softmax(batch: dict, model, temperature: float):
+    """log_softmax [B, T, V] of an HF model's logits at the positions that predict each response token of a trainer
+    batch (prompt left-padded to `prompt_mask`'s width, response after it): the independent reference the trainer
+    tests compare log-probs, entropies and sum_v p_v^2 against."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits.float() / temperature
+    prompt_len, response_len = batch["prompt_mask"].shape[1], batch["responses"].shape[1]
+    return torch.log_softmax(logits[:, prompt_len - 1: prompt_len - 1 + response_len], dim=-1)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: dist_util
-from dist_util import rank_main  # noqa: E402
+from dist_util import hf_response_log_softmax, rank_main  # noqa: E402
 
 from trainer_onpolicy import build, close  # same directory: one way to build and tear down a trainer
 
@@ -50,11 +50,7 @@ def hf_greedy_baselines(trainer, prompts, model) -> list[float]:
 
 def hf_token_stats(batch, model, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(response token), sum_v p_v^2) [B, T] from HF logits of the batch's sequences."""
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"]).logits.float() / temperature
-    prompt_len, resp_len = batch["prompt_mask"].shape[1], batch["responses"].shape[1]
-    logp = torch.log_softmax(logits[:, prompt_len - 1: prompt_len - 1 + resp_len], dim=-1)
+    logp = hf_response_log_softmax(batch, model, temperature)
     token_logp = logp.gather(-1, batch["responses"][..., None]).squeeze(-1)
     return token_logp, logp.exp().pow(2).sum(-1)
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: scripted_engine
 
 from scripted_engine import ScriptedEngine  # noqa: E402
+from dist_util import hf_response_log_softmax  # noqa: E402
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3 * 4"}}</tool_call>'
 ANSWER = " <answer>14</answer>"
@@ -40,11 +41,7 @@ def hf_stats(batch: dict[str, torch.Tensor], model_path: str, temperature: float
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"]).logits.float() / temperature
-    p_len, t_len = batch["prompt_mask"].shape[1], batch["responses"].shape[1]
-    logp = torch.log_softmax(logits[:, p_len - 1: p_len - 1 + t_len], dim=-1)
+    logp = hf_response_log_softmax(batch, model, temperature)
     token_logp = logp.gather(-1, batch["responses"][..., None]).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1)
     return token_logp, entropy
