@@ -39,6 +39,7 @@ from mppo.workers.base import StepMetrics, build_role_model, mean_metrics, respo
 from mppo.workers.batching import Batch, validate_batch
 from mppo.workers.logprob import compute_response_outputs, make_logprob_fn, response_logprobs
 from mppo.workers.loss_selection import fused_actor_loss, select_loss_path
+from mppo.workers.moe_losses import MoELossMeter
 from mppo.workers.optim import build_lr_scheduler, build_optimizer, current_lr, wrap_with_ddp
 from mppo.workers.pipeline import broadcast_from_last_stage
 from mppo.workers.training import TrainLoop
@@ -175,6 +176,7 @@ class ActorWorker:
         record = old_log_prob_from_update or self.bypass
         forward = ForwardLogProbs(batch["response_mask"]) if record else None
         steps, grad_norms, skipped = [], [], 0
+        moe_losses = MoELossMeter.start(self.model, "actor")
         for mini in self.loop.mini_batches(batch, self.scheduler.num_steps):
             metrics, info = StepMetrics(ACTOR_METRICS), mini.info
             step = response_forward_step(
@@ -193,6 +195,7 @@ class ActorWorker:
         out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
         out["actor/lr"] = lr
         out["actor/skipped_optimizer_steps"] = skipped
+        out.update(moe_losses.finish())
         out["skipped"] = skipped > 0
         return out
 

@@ -15,6 +15,7 @@ from mppo.models.builders import Role, build_gpt_model, unwrap_model
 from mppo.models.hf_config import HFModelArgs, read_hf_config
 from mppo.models.weights import load_hf_weights
 from mppo.parallel import ParallelDims, ParallelLayoutError
+from mppo.workers.moe_losses import moe_loss_overrides
 from mppo.workers.pipeline import Batch, ForwardStep, LossFn
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -64,8 +65,9 @@ def build_role_model(hf_dir: str | Path, dims: ParallelDims, *, role: Role, mode
     check_layout(megatron, dims, role)
     args = read_hf_config(hf_dir)
     dtype = resolve_dtype(model_cfg, dims)
+    losses = moe_loss_overrides(megatron, is_moe=args.is_moe, tp=dims.tp) if role != "ref" else {}
     chunks = build_gpt_model(args, dims, role=role, dtype=dtype, transformer_impl=model_cfg.transformer_impl,
-                             **recompute_overrides(megatron.recompute, dims.device))
+                             **recompute_overrides(megatron.recompute, dims.device), **losses)
     load_hf_weights(chunks, hf_dir, args)
     return args, chunks, dtype
 

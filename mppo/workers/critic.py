@@ -21,6 +21,7 @@ from mppo.parallel import ParallelDims
 from mppo.workers.base import StepMetrics, build_role_model, mean_metrics, response_forward_step, response_rows
 from mppo.workers.batching import Batch, validate_batch
 from mppo.workers.logprob import micro_batches_for, run_forward_only
+from mppo.workers.moe_losses import MoELossMeter
 from mppo.workers.optim import build_lr_scheduler, build_optimizer, current_lr, wrap_with_ddp
 from mppo.workers.training import TrainLoop
 
@@ -91,6 +92,7 @@ class CriticWorker:
         batch = self.loop.to_device(batch)
         lr = current_lr(self.optimizer)
         steps, grad_norms, skipped = [], [], 0
+        moe_losses = MoELossMeter.start(self.model, "critic")
         for mini in self.loop.mini_batches(batch, self.scheduler.num_steps):
             metrics, info = StepMetrics(CRITIC_METRICS), mini.info
             step = response_forward_step(lambda model, data: self._loss_fn(data, info, metrics), hidden_only=False)
@@ -105,6 +107,7 @@ class CriticWorker:
         out["critic/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
         out["critic/lr"] = lr
         out["critic/skipped_optimizer_steps"] = skipped
+        out.update(moe_losses.finish())
         out["skipped"] = skipped > 0
         return out
 

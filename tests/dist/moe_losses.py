@@ -1,0 +1,175 @@
+"""torchrun script (2 CPU ranks, gloo): megatron-core's MoE router losses as mppo switches them on
+(mppo.workers.moe_losses) on a tiny Qwen3-MoE (4 experts, top-2, 3 MoE layers and a dense one), at DP2, EP2, TP2
+and PP2, against naive formulas on HF transformers' router logits.
+
+Each case runs training forwards and backwards of micro-batches whose main loss is 0 x the output, so every
+gradient is that of the router losses. Checked: the metrics MoELossMeter reports equal the Switch aux loss and the
+z-loss written here from their definitions (mean over MoE layers and micro-batches, averaged over DP ranks, each
+DP rank with its own micro-batches); the router weights' gradients equal HF autograd of
+coeff x (sum over layers of those losses, averaged over micro-batches); with both coefficients 0 no metric and
+zero gradients. Rank R writes out/rank{R}.json; tests/test_moe_losses.py asserts on it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models_fixtures import load_hf_model, make_hf_model  # noqa: E402
+from models_parallel import micro_batches  # noqa: E402
+
+LAYOUTS = {"dp2": (1, 1, 1), "ep2": (1, 1, 2), "tp2": (2, 1, 1), "pp2": (1, 2, 1)}  # name -> (tp, pp, ep)
+AUX, Z = 0.3, 0.05
+COEFFS = {"aux_and_z": (AUX, Z), "aux_only": (AUX, 0.0), "off": (0.0, 0.0)}
+MODEL = "qwen3_moe"
+
+
+def naive_switch_aux_loss(logits: torch.Tensor, topk: int) -> torch.Tensor:
+    """E * sum_i f_i * P_i over T tokens: f_i = share of the T * k top-k slots given to expert i, P_i = mean
+    softmax probability of expert i (differentiable through P_i only)."""
+    tokens, experts = logits.shape
+    probs = torch.softmax(logits.float(), dim=-1)
+    chosen = probs.topk(topk, dim=-1).indices
+    loss = logits.new_zeros((), dtype=torch.float32)
+    for i in range(experts):
+        f_i = float((chosen == i).sum()) / (tokens * topk)
+        p_i = probs[:, i].sum() / tokens
+        loss = loss + f_i * p_i
+    return experts * loss
+
+
+def naive_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of (log sum_i exp(logit_i))^2."""
+    return (torch.logsumexp(logits.float(), dim=-1) ** 2).mean()
+
+
+def hf_router_losses(hf, batches, topk: int) -> list[dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Per micro-batch: {0-based MoE layer: (aux loss, z-loss)} from HF's router logits (with autograd)."""
+    captured: dict[int, torch.Tensor] = {}
+    hooks = []
+    for index, layer in enumerate(hf.model.layers):
+        if hasattr(layer.mlp, "gate"):
+            hooks.append(layer.mlp.gate.register_forward_hook(
+                lambda _m, _i, out, index=index: captured.__setitem__(index, out[0])))
+    out = []
+    for mb in batches:
+        captured.clear()
+        hf(mb["input_ids"])
+        out.append({i: (naive_switch_aux_loss(lg, topk), naive_z_loss(lg)) for i, lg in captured.items()})
+    for h in hooks:
+        h.remove()
+    return out
+
+
+def zero_loss_step(model, batch):
+    """Forward whose loss is 0 x the output: the backward carries only the router losses' gradients."""
+    from mppo.models.builders import unwrap_model
+
+    ids = batch["input_ids"]
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    output = model(ids, positions, None)
+    if not unwrap_model(model).post_process:
+        return output, None
+    return output, lambda out: (out.float().sum() * 0.0, {})
+
+
+def run_case(work: Path, hf, args, layout, coeffs, res: dict, key: str) -> None:
+    from megatron.core import parallel_state as ps
+
+    from mppo.config.schema import TransformerOverrides, actor_megatron_defaults
+    from mppo.models.builders import build_gpt_model
+    from mppo.models.weights import load_hf_weights
+    from mppo.parallel import destroy, init_distributed
+    from mppo.workers.moe_losses import MoELossMeter, moe_loss_overrides
+    from mppo.workers.pipeline import run_pipeline
+
+    tp, pp, ep = layout
+    dims = init_distributed(tp, pp, ep=ep)
+    megatron = replace(actor_megatron_defaults(), override_transformer_config=TransformerOverrides(*coeffs))
+    chunks = build_gpt_model(args, dims, role="actor",
+                             **moe_loss_overrides(megatron, is_moe=True, tp=dims.tp))
+    load_hf_weights(chunks, work / MODEL, args)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per_dp = [micro_batches(args.vocab_size, seed=40 + r) for r in range(dp)]
+
+    meter = MoELossMeter.start(chunks, "actor")
+    for c in chunks:
+        c.zero_grad(set_to_none=True)
+    run_pipeline(chunks, per_dp[dp_rank], zero_loss_step, forward_only=False)
+    metrics = meter.finish()
+    res[f"{key}/metrics"] = metrics
+
+    # references: metrics over every DP rank's micro-batches, gradients over this rank's
+    aux_c, z_c = coeffs
+    ref_aux, ref_z = [], []
+    for r in range(dp):
+        with torch.no_grad():
+            losses = hf_router_losses(hf, per_dp[r], args.moe_topk)
+        ref_aux.append(sum(sum(a for a, _ in mb.values()) / len(mb) for mb in losses) / len(losses))
+        ref_z.append(sum(sum(z for _, z in mb.values()) / len(mb) for mb in losses) / len(losses))
+    res[f"{key}/ref"] = {"actor/moe_aux_loss": float(sum(ref_aux) / dp), "actor/moe_z_loss": float(sum(ref_z) / dp)}
+
+    hf.zero_grad(set_to_none=True)
+    losses = hf_router_losses(hf, per_dp[dp_rank], args.moe_topk)
+    total = sum(sum(aux_c * a + z_c * z for a, z in mb.values()) for mb in losses) / len(losses)
+    if aux_c or z_c:
+        total.backward()
+    worst, norms = 0.0, []
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            if not hasattr(layer.mlp, "router"):
+                continue
+            got = layer.mlp.router.weight.grad
+            got = torch.zeros_like(layer.mlp.router.weight) if got is None else got
+            ref = hf.model.layers[layer.layer_number - 1].mlp.gate.weight.grad
+            ref = torch.zeros_like(got) if ref is None else ref
+            worst = max(worst, float((got - ref).abs().max()))
+            norms.append(float(ref.abs().max()))
+    res[f"{key}/router_grad_diff"] = worst
+    res[f"{key}/router_grad_ref_max"] = max(norms) if norms else 0.0
+    res[f"{key}/router_grad_got_max"] = max(
+        [float(layer.mlp.router.weight.grad.abs().max()) if layer.mlp.router.weight.grad is not None else 0.0
+         for chunk in chunks for layer in chunk.decoder.layers if hasattr(layer.mlp, "router")] or [0.0])
+    destroy()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    opts = parser.parse_args()
+    work = opts.out / "work"
+    rank = int(os.environ["RANK"])
+    res: dict = {}
+    from mppo.models.hf_config import read_hf_config
+    from mppo.parallel import destroy, init_distributed
+
+    init_distributed(1, 1)
+    destroy()
+    try:
+        if rank == 0:
+            make_hf_model(MODEL, work / MODEL, seed=7)
+        dist.barrier()
+        hf = load_hf_model(work / MODEL)
+        args = read_hf_config(work / MODEL)
+        for name, layout in LAYOUTS.items():
+            for cname, coeffs in COEFFS.items():
+                if name != "dp2" and cname == "aux_only":
+                    continue
+                run_case(work, hf, args, layout, coeffs, res, f"{name}/{cname}")
+    except Exception:
+        res["crash"] = traceback.format_exc()
+        raise
+    finally:
+        (opts.out / f"rank{rank}.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""MoE router losses (`megatron.override_transformer_config.moe_aux_loss_coeff` / `moe_z_loss_coeff`) on a tiny
+Qwen3-MoE at DP2, EP2, TP2 and PP2 (2 CPU ranks): the reported `actor/moe_aux_loss` and `actor/moe_z_loss` equal
+the Switch load-balancing loss and the z-loss computed from HF's router logits by naive formulas
+(tests/dist/moe_losses.py), the coefficients put exactly coeff x their gradient on the router weights, and
+coefficients 0 mean no metric and no gradient. One torchrun launch runs every case.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dist_util import run_torchrun
+
+SCRIPT = Path(__file__).parent / "dist" / "moe_losses.py"
+LAYOUTS = ("dp2", "ep2", "tp2", "pp2")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    results = run_torchrun(SCRIPT, 2, tmp_path_factory.mktemp("moe_losses"), timeout=600)
+    for r in results:
+        assert "crash" not in r, r["crash"]
+    return results
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_metrics_equal_the_naive_switch_and_z_losses(ranks, layout):
+    for r in ranks:
+        got, ref = r[f"{layout}/aux_and_z/metrics"], r[f"{layout}/aux_and_z/ref"]
+        assert sorted(got) == ["actor/moe_aux_loss", "actor/moe_z_loss"]
+        assert got["actor/moe_aux_loss"] > 1.0  # 1 = perfectly balanced; a random router is not
+        for key, value in ref.items():
+            assert got[key] == pytest.approx(value, rel=1e-5), key
+    assert ranks[0][f"{layout}/aux_and_z/metrics"] == ranks[1][f"{layout}/aux_and_z/metrics"]
+
+
+def test_aux_only_reports_no_z_loss(ranks):
+    for r in ranks:
+        got = r["dp2/aux_only/metrics"]
+        assert sorted(got) == ["actor/moe_aux_loss"]
+        assert got["actor/moe_aux_loss"] == pytest.approx(r["dp2/aux_only/ref"]["actor/moe_aux_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("layout, coeffs", [(layout, "aux_and_z") for layout in LAYOUTS] + [("dp2", "aux_only")])
+def test_router_gradient_is_coeff_times_the_losses_gradient(ranks, layout, coeffs):
+    for r in ranks:
+        ref_max = r[f"{layout}/{coeffs}/router_grad_ref_max"]
+        assert ref_max > 1e-4
+        assert r[f"{layout}/{coeffs}/router_grad_diff"] <= 1e-5 * max(1.0, ref_max), layout
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_zero_coefficients_mean_no_metric_and_no_gradient(ranks, layout):
+    for r in ranks:
+        assert r[f"{layout}/off/metrics"] == {}
+        assert r[f"{layout}/off/router_grad_got_max"] == 0.0
