@@ -109,6 +109,13 @@ class PolicyLossConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    # veRL's router_replay (its megatron backend nests it under actor.megatron); MoE models only
+    mode: str = choice("disabled", "R3")  # R3: the actor replays the rollout engine's expert choices of every token
+    # in its old-log-prob and update forwards (the CPU engine records them)
+
+
+@dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)  # actor optimizer
     ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n samples), over all DP ranks
@@ -133,6 +140,7 @@ class ActorConfig:
     logprob_impl: str = choice("fused", "naive")  # fused: chunked hidden->logprob kernel; naive: full logits
     kernel_backend: str = choice("auto", "triton", "torch")  # fused kernels: auto = triton on cuda, torch on cpu
     calculate_sum_pi_squared: Optional[bool] = None  # sum_v p^2 per token in the old-log-prob pass; null: iff needed
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)  # MoE routing replay
     megatron: MegatronConfig = field(default_factory=actor_megatron_defaults)  # actor parallel layout
 
 

@@ -390,6 +390,30 @@ def check_expert_parallel(cfg: MppoConfig) -> None:
                         f"use a divisor of {experts} that divides DP: {_divisors(experts)}")
 
 
+def check_router_replay(cfg: MppoConfig) -> None:
+    """Routing replay (R3) needs a MoE model and a rollout whose every routed token the engine ran itself."""
+    key = f"{ACTOR}.router_replay.mode"
+    mode, rollout = get_key(cfg, key), cfg.actor_rollout_ref.rollout
+    if mode == "disabled":
+        return
+    unsupported = [
+        (rollout.name != "cpu", f"rollout.name={rollout.name}: only the CPU engine records routed experts (SGLang "
+                                "0.5.23's return_routed_experts is not wired, docs/MOE.md)"),
+        (rollout.multi_turn.enable, "rollout.multi_turn.enable=true: tool-response tokens have no engine routes"),
+        (cfg.algorithm.filter_groups.enable, "algorithm.filter_groups.enable=true: dynamic sampling's batch "
+                                             "concatenation does not carry routes"),
+        (get_key(cfg, f"{ACTOR}.megatron.recompute") != "none", "megatron.recompute: recomputed forwards in the "
+                                                                  "backward would route anew"),
+    ]
+    for bad, why in unsupported:
+        if bad:
+            raise _fail(key, mode, f"not supported with {why}", f"set {key}=disabled")
+    config = _model_config(cfg.actor_rollout_ref.model.path) if cfg.actor_rollout_ref.model.path else None
+    if config is not None and not (config.get("num_experts") or config.get("num_local_experts")):
+        raise _fail(key, mode, f"the model is dense ({config.get('model_type')}): there are no routes to replay",
+                    f"set {key}=disabled")
+
+
 def check_model_limits(cfg: MppoConfig) -> None:
     """A prompt + response sequence must fit the positions of every model that reads it (actor, critic): rotary
     embeddings beyond max_position_embeddings are outside what the model was trained for, and the CPU engine
@@ -438,3 +462,4 @@ def validate(cfg: MppoConfig, world_size: int | None = None) -> None:
         _check_batches(cfg, "critic", _data_parallel_size(cfg, "critic", world, world_text))
     check_model_limits(cfg)
     check_expert_parallel(cfg)
+    check_router_replay(cfg)

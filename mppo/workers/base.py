@@ -16,6 +16,7 @@ from mppo.models.hf_config import HFModelArgs, read_hf_config
 from mppo.models.weights import load_hf_weights
 from mppo.parallel import ParallelDims, ParallelLayoutError
 from mppo.workers.moe_losses import moe_loss_overrides
+from mppo.workers.router_replay import replaying, router_replay_overrides
 from mppo.workers.pipeline import Batch, ForwardStep, LossFn
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -60,14 +61,16 @@ def recompute_overrides(recompute: str | None, device: torch.device) -> dict:
 
 
 def build_role_model(hf_dir: str | Path, dims: ParallelDims, *, role: Role, model_cfg: ModelConfig,
-                     megatron: MegatronConfig) -> tuple[HFModelArgs, list[nn.Module], torch.dtype]:
-    """(HF facts, model chunks with the HF weights loaded, dtype) for a role."""
+                     megatron: MegatronConfig,
+                     router_replay: str = "disabled") -> tuple[HFModelArgs, list[nn.Module], torch.dtype]:
+    """(HF facts, model chunks with the HF weights loaded, dtype) for a role (`router_replay`: the actor's mode)."""
     check_layout(megatron, dims, role)
     args = read_hf_config(hf_dir)
     dtype = resolve_dtype(model_cfg, dims)
     losses = moe_loss_overrides(megatron, is_moe=args.is_moe, tp=dims.tp) if role != "ref" else {}
     chunks = build_gpt_model(args, dims, role=role, dtype=dtype, transformer_impl=model_cfg.transformer_impl,
-                             **recompute_overrides(megatron.recompute, dims.device), **losses)
+                             **recompute_overrides(megatron.recompute, dims.device), **losses,
+                             **router_replay_overrides(router_replay, is_moe=args.is_moe))
     load_hf_weights(chunks, hf_dir, args)
     return args, chunks, dtype
 
@@ -110,7 +113,8 @@ def response_forward_step(make_loss_fn: Callable[[nn.Module, Batch], LossFn], *,
 
     def forward_step(model: nn.Module, batch: Batch):
         last = unwrap_model(model).post_process
-        output = stage_forward(model, batch["input_ids"], hidden_only=hidden_only and last)
+        with replaying(model, batch):  # the rollout's MoE routes, for an actor built to replay them
+            output = stage_forward(model, batch["input_ids"], hidden_only=hidden_only and last)
         return output, (make_loss_fn(model, batch) if last else None)
 
     return forward_step

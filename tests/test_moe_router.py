@@ -1,8 +1,10 @@
-"""MoE router losses (`megatron.override_transformer_config.moe_aux_loss_coeff` / `moe_z_loss_coeff`) on a tiny
-Qwen3-MoE at DP2, EP2, TP2 and PP2 (2 CPU ranks): the reported `actor/moe_aux_loss` and `actor/moe_z_loss` equal
-the Switch load-balancing loss and the z-loss computed from HF's router logits by naive formulas
-(tests/dist/moe_losses.py), the coefficients put exactly coeff x their gradient on the router weights, and
-coefficients 0 mean no metric and no gradient. One torchrun launch runs every case.
+"""MoE router losses (`megatron.override_transformer_config.moe_aux_loss_coeff` / `moe_z_loss_coeff`) and routing
+replay's mechanism (`actor.router_replay.mode=R3`) on a tiny Qwen3-MoE at DP2, EP2, TP2 and PP2 (2 CPU ranks):
+- the reported `actor/moe_aux_loss` and `actor/moe_z_loss` equal the Switch load-balancing loss and the z-loss
+  computed from HF's router logits by naive formulas, the coefficients put exactly coeff x their gradient on the
+  router weights, and coefficients 0 mean no metric and no gradient;
+- with routes replayed, the actor's log-probs equal HF's with its routers forced to those experts.
+One torchrun launch (tests/dist/moe_router.py) runs every case.
 """
 from __future__ import annotations
 
@@ -12,13 +14,13 @@ import pytest
 
 from dist_util import run_torchrun
 
-SCRIPT = Path(__file__).parent / "dist" / "moe_losses.py"
+SCRIPT = Path(__file__).parent / "dist" / "moe_router.py"
 LAYOUTS = ("dp2", "ep2", "tp2", "pp2")
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    results = run_torchrun(SCRIPT, 2, tmp_path_factory.mktemp("moe_losses"), timeout=600)
+    results = run_torchrun(SCRIPT, 2, tmp_path_factory.mktemp("moe_router"), timeout=600)
     for r in results:
         assert "crash" not in r, r["crash"]
     return results
@@ -55,3 +57,11 @@ def test_zero_coefficients_mean_no_metric_and_no_gradient(ranks, layout):
     for r in ranks:
         assert r[f"{layout}/off/metrics"] == {}
         assert r[f"{layout}/off/router_grad_got_max"] == 0.0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_replayed_routes_give_hfs_log_probs_with_those_experts_forced(ranks, layout):
+    for r in ranks:
+        assert r[f"{layout}/replay/replayed_vs_forced_hf"] <= 1e-4
+        assert r[f"{layout}/replay/free_vs_hf"] <= 1e-4  # without routes: the model's own routing, as HF's
+        assert r[f"{layout}/replay/free_vs_forced_hf"] > 0.1  # the random routes differ from the model's own

@@ -1,13 +1,18 @@
 """torchrun script (2 CPU ranks, gloo): megatron-core's MoE router losses as mppo switches them on
-(mppo.workers.moe_losses) on a tiny Qwen3-MoE (4 experts, top-2, 3 MoE layers and a dense one), at DP2, EP2, TP2
-and PP2, against naive formulas on HF transformers' router logits.
+(mppo.workers.moe_losses), and routing replay (mppo.workers.router_replay), on a tiny Qwen3-MoE (4 experts, top-2,
+3 MoE layers and a dense one), at DP2, EP2, TP2 and PP2, against HF transformers.
+
+Replay: a batch in the workers' contract (left-padded prompts) carries random routes by column; the actor's
+log-probs (mppo.workers.logprob, micro-batches compacted by mppo.workers.batching) with the routes replayed equal
+HF's with its routers forced to the same experts (the routing weights: softmax over the forced experts' logits,
+Qwen3-MoE's norm_topk_prob), and differ from them without replay.
 
 Each case runs training forwards and backwards of micro-batches whose main loss is 0 x the output, so every
 gradient is that of the router losses. Checked: the metrics MoELossMeter reports equal the Switch aux loss and the
 z-loss written here from their definitions (mean over MoE layers and micro-batches, averaged over DP ranks, each
 DP rank with its own micro-batches); the router weights' gradients equal HF autograd of
 coeff x (sum over layers of those losses, averaged over micro-batches); with both coefficients 0 no metric and
-zero gradients. Rank R writes out/rank{R}.json; tests/test_moe_losses.py asserts on it.
+zero gradients. Rank R writes out/rank{R}.json; tests/test_moe_router.py asserts on it.
 """
 from __future__ import annotations
 
@@ -141,6 +146,68 @@ def run_case(work: Path, hf, args, layout, coeffs, res: dict, key: str) -> None:
     destroy()
 
 
+def forced_hf_logprobs(hf, batch, moe_layers: tuple[int, ...], topk: int) -> torch.Tensor:
+    """HF's response log-probs with each MoE layer's experts forced to batch["routed_experts"] (by column)."""
+    from workers_fixtures import hf_response_logprobs
+
+    routes = batch["routed_experts"]
+    saved = {}
+    for moe_index, layer_index in enumerate(moe_layers):
+        gate = hf.model.layers[layer_index].mlp.gate
+        saved[layer_index] = gate.forward
+
+        def forced(hidden, gate=gate, moe_index=moe_index):
+            logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+            chosen = routes[:, :, moe_index].reshape(-1, topk).long()  # HF flattens [b, s] row-major
+            weights = torch.softmax(logits.float().gather(1, chosen), dim=-1)
+            return logits, weights.to(logits.dtype), chosen
+        gate.forward = forced
+    try:
+        with torch.no_grad():
+            return hf_response_logprobs(hf, batch)[0]
+    finally:
+        for layer_index, forward in saved.items():
+            hf.model.layers[layer_index].mlp.gate.forward = forward
+
+
+def replay_case(work: Path, hf, args, layout, res: dict, key: str) -> None:
+    from workers_fixtures import TEMPERATURE, hf_response_logprobs, make_batch
+
+    from mppo.models.builders import build_gpt_model
+    from mppo.models.weights import load_hf_weights
+    from mppo.parallel import destroy, init_distributed
+    from mppo.workers.batching import validate_batch
+    from mppo.workers.logprob import compute_response_logprobs, make_logprob_fn
+    from mppo.workers.router_replay import router_replay_overrides
+
+    tp, pp, ep = layout
+    dims = init_distributed(tp, pp, ep=ep)
+    chunks = build_gpt_model(args, dims, role="actor", **router_replay_overrides("R3", is_moe=True))
+    load_hf_weights(chunks, work / MODEL, args)
+    batch = make_batch(args.vocab_size, seed=3)
+    g = torch.Generator().manual_seed(9)
+    rows, cols = batch["input_ids"].shape
+    layers, k = len(args.moe_layers), args.moe_topk
+    batch["routed_experts"] = torch.stack([torch.randperm(args.num_experts, generator=g)[:k]
+                                           for _ in range(rows * cols * layers)]).view(rows, cols, layers, k).int()
+    validate_batch(batch)
+    mask = batch["response_mask"].bool()
+    logprob_fn = make_logprob_fn("naive")
+    with torch.no_grad():
+        replayed, _ = compute_response_logprobs(chunks, batch, logprob_fn, vocab_size=args.vocab_size,
+                                                temperature=TEMPERATURE, micro_batch_size=3, max_token_len=None,
+                                                calculate_entropy=False)
+        free, _ = compute_response_logprobs(chunks, {k2: v for k2, v in batch.items() if k2 != "routed_experts"},
+                                            logprob_fn, vocab_size=args.vocab_size, temperature=TEMPERATURE,
+                                            micro_batch_size=3, max_token_len=None, calculate_entropy=False)
+        hf_free = hf_response_logprobs(hf, batch)[0]
+    forced = forced_hf_logprobs(hf, batch, args.moe_layers, k)
+    res[f"{key}/replayed_vs_forced_hf"] = float((replayed - forced)[mask].abs().max())
+    res[f"{key}/free_vs_forced_hf"] = float((free - forced)[mask].abs().max())
+    res[f"{key}/free_vs_hf"] = float((free - hf_free)[mask].abs().max())
+    destroy()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -164,6 +231,7 @@ def main() -> None:
                 if name != "dp2" and cname == "aux_only":
                     continue
                 run_case(work, hf, args, layout, coeffs, res, f"{name}/{cname}")
+            replay_case(work, hf, args, layout, res, f"{name}/replay")
     except Exception:
         res["crash"] = traceback.format_exc()
         raise
