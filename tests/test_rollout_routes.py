@@ -95,3 +95,32 @@ def test_dense_model_cannot_record_routes():
                          num_attention_heads=2, num_key_value_heads=1)
     with pytest.raises(ValueError, match="router_replay.mode=disabled"):
         CPURolloutEngine(config, record_routed_experts=True)
+
+
+def test_routes_reach_the_micro_batches_at_their_tokens(source):
+    """Engine -> rollout batch (left-padded prompts, routes by input_ids column) -> compacted micro-batch: row i's
+    first prompt + response - 1 tokens carry HF's routes of those tokens, in order."""
+    from mppo.data.loader import PromptBatch
+    from mppo.trainer.rollout_batch import build_rollout_batch
+    from mppo.workers.batching import ROUTES_KEY, make_micro_batch, validate_batch
+
+    prompts = [[40, 41, 42, 43, 44], [50], [60, 61, 62]]
+    n, width, max_response = 2, 6, 8
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    batch_prompts = PromptBatch(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                                raw_prompts=[""] * 3, data_sources=[""] * 3, ground_truths=[None] * 3,
+                                extra_infos=[{}] * 3, indices=torch.arange(3))
+    sampling = SamplingParams(n=n, max_new_tokens=max_response, stop_token_ids=STOPS, seed=4)
+    responses = engine_for(source, record=True).generate(prompts, sampling, step=0)
+    batch = build_rollout_batch(batch_prompts, responses, n=n, max_response_length=max_response, pad_token_id=0)
+    assert batch[ROUTES_KEY].shape == (len(responses), width + max_response, 2, 2)
+    validate_batch(batch)
+    mb = make_micro_batch(batch, torch.arange(len(responses)))
+    model, _ = source
+    for row, r in enumerate(responses):
+        fed = prompts[r.prompt_index] + r.token_ids[:-1]
+        got = mb.data[ROUTES_KEY][row, :len(fed)]
+        assert torch.equal(got.sort(-1).values.long(), hf_routes(model, fed).sort(-1).values), row
