@@ -272,7 +272,7 @@ def _pack(responses: list[RolloutResponse]) -> dict[str, torch.Tensor]:
 
 def _pack_routes(responses: list[RolloutResponse]) -> dict[str, torch.Tensor]:
     """Routed experts (routing replay), when the engine recorded them: concatenated over responses."""
-    if not responses or responses[0].routed_experts is None:
+    if not responses or getattr(responses[0], "routed_experts", None) is None:
         return {}
     return {"routes": torch.cat([r.routed_experts for r in responses]),
             "route_lengths": torch.tensor([r.routed_experts.shape[0] for r in responses], dtype=torch.int64)}

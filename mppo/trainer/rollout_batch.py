@@ -59,7 +59,7 @@ def build_rollout_batch(prompts: PromptBatch, responses: Sequence[RolloutRespons
         # Group id of each row: the prompt's GLOBAL dataset index (GRPO-style estimators group by it).
         "uid": prompts.indices.repeat_interleave(n),
     }
-    if responses and responses[0].routed_experts is not None:
+    if responses and getattr(responses[0], "routed_experts", None) is not None:  # AgentResponse has none
         batch["routed_experts"] = _routes_by_column(responses, prompt_mask, max_response_length)
     return batch
 
