@@ -27,8 +27,13 @@ import torch
 from torch import nn
 
 from mppo.config.schema import ConfigError
+from mppo.errors import UserError
 from mppo.models.builders import unwrap_model
 from mppo.workers.batching import ROUTES_KEY
+
+
+class ReplayError(UserError, ValueError):
+    """The actor replays routes, but the batch does not carry them."""
 
 
 def router_replay_overrides(mode: str, *, is_moe: bool) -> dict:
@@ -56,13 +61,16 @@ def _replaying_routers(model: nn.Module) -> list[tuple[nn.Module, int]]:
 
 @contextlib.contextmanager
 def replaying(model: nn.Module, data: Mapping[str, torch.Tensor]) -> Iterator[None]:
-    """Within: the chunk's routers replay the micro-batch's `routed_experts` (no-op without them, or for a model
-    not built for replay)."""
+    """Within: the chunk's routers replay the micro-batch's `routed_experts` (a no-op for a model not built for
+    replay; ReplayError when one is given no routes)."""
     routes = data.get(ROUTES_KEY)
-    routers = _replaying_routers(model) if routes is not None else []
+    routers = _replaying_routers(model)
     if not routers:
         yield
         return
+    if routes is None:  # routing by itself would silently undo what R3 is for
+        raise ReplayError("actor_rollout_ref.actor.router_replay.mode=R3 but this batch has no routed_experts: the "
+                          "rollout engine did not record them (only the CPU engine does); set the mode to disabled")
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     b, s, _, k = routes.shape

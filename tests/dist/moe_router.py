@@ -178,7 +178,7 @@ def replay_case(work: Path, hf, args, layout, res: dict, key: str) -> None:
     from mppo.parallel import destroy, init_distributed
     from mppo.workers.batching import validate_batch
     from mppo.workers.logprob import compute_response_logprobs, make_logprob_fn
-    from mppo.workers.router_replay import router_replay_overrides
+    from mppo.workers.router_replay import ReplayError, router_replay_overrides
 
     tp, pp, ep = layout
     dims = init_distributed(tp, pp, ep=ep)
@@ -197,14 +197,17 @@ def replay_case(work: Path, hf, args, layout, res: dict, key: str) -> None:
         replayed, _ = compute_response_logprobs(chunks, batch, logprob_fn, vocab_size=args.vocab_size,
                                                 temperature=TEMPERATURE, micro_batch_size=3, max_token_len=None,
                                                 calculate_entropy=False)
-        free, _ = compute_response_logprobs(chunks, {k2: v for k2, v in batch.items() if k2 != "routed_experts"},
-                                            logprob_fn, vocab_size=args.vocab_size, temperature=TEMPERATURE,
-                                            micro_batch_size=3, max_token_len=None, calculate_entropy=False)
         hf_free = hf_response_logprobs(hf, batch)[0]
+        try:  # a replaying actor given no routes stops instead of routing by itself
+            compute_response_logprobs(chunks, {k2: v for k2, v in batch.items() if k2 != "routed_experts"},
+                                      logprob_fn, vocab_size=args.vocab_size, temperature=TEMPERATURE,
+                                      micro_batch_size=3, max_token_len=None, calculate_entropy=False)
+            res[f"{key}/no_routes_error"] = "no error"
+        except ReplayError as err:
+            res[f"{key}/no_routes_error"] = str(err)
     forced = forced_hf_logprobs(hf, batch, args.moe_layers, k)
     res[f"{key}/replayed_vs_forced_hf"] = float((replayed - forced)[mask].abs().max())
-    res[f"{key}/free_vs_forced_hf"] = float((free - forced)[mask].abs().max())
-    res[f"{key}/free_vs_hf"] = float((free - hf_free)[mask].abs().max())
+    res[f"{key}/hf_free_vs_forced_hf"] = float((hf_free - forced)[mask].abs().max())
     destroy()
 
 
