@@ -16,8 +16,8 @@ from mppo.models.hf_config import HFModelArgs, read_hf_config
 from mppo.models.weights import load_hf_weights
 from mppo.parallel import ParallelDims, ParallelLayoutError
 from mppo.workers.moe_losses import moe_loss_overrides
-from mppo.workers.router_replay import replaying, router_replay_overrides
 from mppo.workers.pipeline import Batch, ForwardStep, LossFn
+from mppo.workers.router_replay import replaying, router_replay_overrides
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
