@@ -67,7 +67,7 @@ def build_role_model(hf_dir: str | Path, dims: ParallelDims, *, role: Role, mode
     check_layout(megatron, dims, role)
     args = read_hf_config(hf_dir)
     dtype = resolve_dtype(model_cfg, dims)
-    losses = moe_loss_overrides(megatron, is_moe=args.is_moe, tp=dims.tp) if role != "ref" else {}
+    losses = moe_loss_overrides(megatron, is_moe=args.is_moe) if role != "ref" else {}
     chunks = build_gpt_model(args, dims, role=role, dtype=dtype, transformer_impl=model_cfg.transformer_impl,
                              **recompute_overrides(megatron.recompute, dims.device), **losses,
                              **router_replay_overrides(router_replay, is_moe=args.is_moe))

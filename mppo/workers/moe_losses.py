@@ -33,22 +33,20 @@ from mppo.models.builders import unwrap_model
 TRACKED = {"load_balancing_loss": "moe_aux_loss", "z_loss": "moe_z_loss"}
 
 
-def moe_loss_overrides(megatron: MegatronConfig, *, is_moe: bool, tp: int) -> dict:
+def moe_loss_overrides(megatron: MegatronConfig, *, is_moe: bool) -> dict:
     """TransformerConfig kwargs for the role's MoE losses ({} when both are off).
 
-    megatron-core expects sequence parallelism under TP: it splits the aux loss over the TP ranks' token shards
-    (the tracked value is summed over TP, each rank's gradient is its shard's) and divides the z-loss coefficient
-    by TP. mppo runs TP without sequence parallelism, so every TP rank holds all tokens and gets 1/TP of the
-    gradient: the coefficients are multiplied by TP to give the configured gradient (the tracked values divide
-    the coefficient out again, so the metrics are unchanged).
+    megatron-core refuses to train a MoE model under TP without sequence parallelism (which mppo does not build
+    yet), so these losses only train at TP 1; under sequence parallelism megatron splits the aux loss over the TP
+    ranks' token shards, which `MoELossMeter` sums back.
     """
     overrides = megatron.override_transformer_config
     aux, z = overrides.moe_aux_loss_coeff or 0.0, overrides.moe_z_loss_coeff or 0.0
     if not is_moe or (aux == 0 and z == 0):
         return {}
-    return {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": aux * tp,
+    return {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": aux,
             # None, not 0: megatron computes (and tracks, dividing by the coefficient) a z-loss whenever it is set
-            "moe_z_loss_coeff": z * tp if z > 0 else None}
+            "moe_z_loss_coeff": z if z > 0 else None}
 
 
 def _routers(model_chunks: Sequence[nn.Module]) -> list[nn.Module]:
@@ -106,7 +104,7 @@ class MoELossMeter:
             values = tracker[name]["values"].detach().double().sum() if name in tracker else torch.zeros((),
                                                                                                       dtype=torch.float64)
             total = (values / max(self.forwards, 1)).reshape(1).to(self.device)
-            if name == "load_balancing_loss":  # each TP rank tracked its share (see moe_loss_overrides)
+            if name == "load_balancing_loss":  # under sequence parallelism each TP rank tracks its tokens' share
                 dist.all_reduce(total, group=ps.get_tensor_model_parallel_group())
             dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())  # the stages' layers
             dist.all_reduce(total, group=ps.get_data_parallel_group())
