@@ -25,6 +25,7 @@ from torch import nn
 from mppo.models.builders import unwrap_model
 from mppo.models.vocab import mask_padded_logits, valid_vocab_size_per_rank
 from mppo.parallel import collective_device
+from mppo.workers.router_replay import require_routes
 
 Batch = Mapping[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -51,6 +52,7 @@ def run_pipeline(model_chunks: Sequence[nn.Module], micro_batches: Sequence[Batc
     if len(model_chunks) > 1 and n % pp != 0:
         raise ValueError(f"the interleaved pipeline schedule (vpp={len(model_chunks)}) needs a number of "
                          f"micro-batches divisible by pp={pp}, got {n}; split or merge micro-batches")
+    require_routes(model_chunks, micro_batches)  # on every rank before the schedule, not in one stage's forward
     shapes = {tuple(mb["input_ids"].shape) for mb in micro_batches}
     if needs_uniform_shapes(model_chunks) and len(shapes) > 1:
         raise ValueError(f"this pipeline (interleaved, pp={pp}) needs micro-batches of one shape, got "

@@ -59,6 +59,18 @@ def _replaying_routers(model: nn.Module) -> list[tuple[nn.Module, int]]:
     return out
 
 
+def require_routes(model_chunks, micro_batches) -> None:
+    """ReplayError when the model replays routes but a micro-batch carries none.
+
+    Asked of the model's config (the same on every rank), before any pipeline stage starts: a PP stage without
+    MoE layers would otherwise wait forever for a stage that stopped at its first router."""
+    replays = any(getattr(unwrap_model(c).config, "moe_enable_routing_replay", False) for c in model_chunks)
+    if replays and any(mb.get(ROUTES_KEY) is None for mb in micro_batches):
+        # routing by itself would silently undo what R3 is for
+        raise ReplayError("actor_rollout_ref.actor.router_replay.mode=R3 but this batch has no routed_experts: the "
+                          "rollout engine did not record them (only the CPU engine does); set the mode to disabled")
+
+
 @contextlib.contextmanager
 def replaying(model: nn.Module, data: Mapping[str, torch.Tensor]) -> Iterator[None]:
     """Within: the chunk's routers replay the micro-batch's `routed_experts` (a no-op for a model not built for
@@ -68,9 +80,7 @@ def replaying(model: nn.Module, data: Mapping[str, torch.Tensor]) -> Iterator[No
     if not routers:
         yield
         return
-    if routes is None:  # routing by itself would silently undo what R3 is for
-        raise ReplayError("actor_rollout_ref.actor.router_replay.mode=R3 but this batch has no routed_experts: the "
-                          "rollout engine did not record them (only the CPU engine does); set the mode to disabled")
+    require_routes([model], [data])
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     b, s, _, k = routes.shape
