@@ -106,7 +106,8 @@ def test_routing_replay_brings_the_actors_log_probs_to_the_engines(run, algorith
         on = r[f"{algorithm}_mismatch_r3"]["metrics"]["training/rollout_probs_diff_max"]
         print(f"{algorithm}: training/rollout_probs_diff_max without replay {off:.3e}, with R3 {on:.3e}")
         assert on < off / 5, (on, off)
-    assert ranks[0][f"{algorithm}_mismatch"]["metrics"] == ranks[1][f"{algorithm}_mismatch"]["metrics"]
+    rank0, rank1 = (_computed(r[f"{algorithm}_mismatch"]["metrics"]) for r in ranks)
+    assert rank0 == rank1  # timings and throughputs are each rank's own
 
 
 def test_routing_replay_at_ep2_equals_ep1(run):
