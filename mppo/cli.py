@@ -29,8 +29,6 @@ TOOLS: dict[str, tuple[str, str]] = {
     "sft": ("mppo.sft", "supervised fine-tuning (warm-up) of a model"),
 }
 USER_ERROR = 2  # exit code of a user mistake (same as argparse's)
-NOT_YET_MESSAGE = ("training is not available yet: the PPO trainer (issue 6) has not landed; "
-                   "use --dry-run to check a config")
 
 
 def _is_rank0() -> bool:
@@ -88,12 +86,7 @@ def _train(args: argparse.Namespace) -> int:
                 return _error(str(e))
         return 0
     _configure_run_logging()
-    try:
-        trainer = importlib.import_module("mppo.trainer")
-    except ModuleNotFoundError as e:
-        if not _missing(e, "mppo.trainer"):
-            raise
-        return _error(NOT_YET_MESSAGE)
+    trainer = importlib.import_module("mppo.trainer")
     try:
         return int(trainer.run(cfg) or 0)
     except USER_INPUT_ERRORS as e:

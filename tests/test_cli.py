@@ -18,6 +18,7 @@ RECIPES = {  # recipe -> the world size it is meant for
     "ppo_trainer.yaml": 8,
     "demo.yaml": 2,
     "demo_cpu.yaml": 2,
+    "countdown_tool_smollm2.yaml": 2,
     "countdown_qwen2.5_3b_ppo.yaml": 2,
     "gsm8k_qwen2.5_7b_grpo.yaml": 8,
     "qwen2.5_32b_4node.yaml": 32,
@@ -89,14 +90,6 @@ def test_dry_run_applies_overrides_in_any_position(capsys):
 def test_dry_run_without_a_file_prints_the_defaults(capsys):
     code, out, _ = run(capsys, "train", "--dry-run")
     assert code == 0 and yaml.safe_load(out) == yaml.safe_load(to_yaml(load_config(None)))
-
-
-def test_train_without_trainer_says_not_available(capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "mppo.trainer", None)  # as if the trainer had not landed
-    code, out, err = run(capsys, "train", str(REPO / "configs/demo_cpu.yaml"))
-    assert (code, out) == (2, "")
-    assert err == ("mppo: error: training is not available yet: the PPO trainer (issue 6) has not landed; "
-                   "use --dry-run to check a config\n")
 
 
 def test_train_hands_the_config_to_the_trainer(capsys, monkeypatch):

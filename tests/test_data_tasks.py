@@ -166,3 +166,16 @@ def test_short_template_keeps_the_question_and_the_reward():
     assert countdown_reward.compute_score(prompt + " </think> <answer> 1 * 2 + 3 </answer>", gt) == 0.1
     assert multiply_reward.compute_score(multiply_prompt(12, 34, "short") + " </think> <answer> 408 </answer>",
                                          408) == 1.0
+
+
+def test_tool_template_tells_the_calculator_call_format():
+    """The tool template's example call is one the multi-turn rollout's parser reads and the calculator answers."""
+    from mppo.data.tasks import countdown_prompt, reward_style
+    from mppo.rollout.tools import parse_tool_calls, run_tool_call
+
+    prompt = countdown_prompt(10, [2, 3, 4], "tool")
+    assert prompt.startswith(countdown_prompt(10, [2, 3, 4], "chat"))
+    (call,) = parse_tool_calls(prompt)
+    assert call.name == "calculator" and not call.error
+    assert run_tool_call(call, timeout_s=5, max_chars=64) == "9"
+    assert reward_style("tool") == "natural"

@@ -134,20 +134,6 @@ def test_transformer_engine_requested_without_it():
         resolve_transformer_impl("apex")
 
 
-def test_pad_micro_batches():
-    from mppo.workers.pipeline import pad_micro_batches
-
-    mbs = [{"input_ids": torch.ones(2, 3, dtype=torch.long), "mask": torch.ones(2, 3), "adv": torch.ones(2, 5),
-            "reward": torch.ones(2)},
-           {"input_ids": torch.ones(1, 4, dtype=torch.long), "mask": torch.ones(1, 4), "adv": torch.ones(1, 5),
-            "reward": torch.ones(1)}]
-    out = pad_micro_batches(mbs)
-    assert [tuple(o["input_ids"].shape) for o in out] == [(2, 4), (2, 4)]
-    assert [tuple(o["adv"].shape) for o in out] == [(2, 5), (2, 5)]  # rows only: dim 1 is not the sequence
-    assert [tuple(o["reward"].shape) for o in out] == [(2,), (2,)]
-    assert out[0]["mask"].sum() == 6 and out[1]["mask"].sum() == 4 and out[0]["mask"][:, 3].sum() == 0
-
-
 def test_check_layout():
     from mppo.parallel import ParallelLayoutError, check_layout
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_util import run_torchrun
+from dist_util import on_every_rank, run_cases
 
 SCRIPT = Path(__file__).parent / "dist" / "models_moe.py"
 ATOL = 1e-4
@@ -22,16 +22,7 @@ MOE_CPU_PATCHES = ("cuda_streams", "backward_device_mode", "splits_as_numpy", "t
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    results = run_torchrun(SCRIPT, 4, tmp_path_factory.mktemp("models_moe"), timeout=900)
-    for r in results:
-        assert "crash" not in r, r["crash"]
-    return results
-
-
-def _values(ranks, key):
-    missing = [i for i, r in enumerate(ranks) if key not in r]
-    assert not missing, f"{key} missing on ranks {missing}"
-    return [r[key] for r in ranks]
+    return run_cases(SCRIPT, 4, tmp_path_factory.mktemp("models_moe"), timeout=900)
 
 
 CASES = ([(layout, "qwen3_moe") for layout in LAYOUTS] + [(layout, "qwen3_tied") for layout in DENSE_LAYOUTS]
@@ -41,7 +32,7 @@ CASES = ([(layout, "qwen3_moe") for layout in LAYOUTS] + [(layout, "qwen3_tied")
 @pytest.mark.parametrize("layout, model", CASES)
 def test_logits_and_logprobs_match_hf(ranks, layout, model):
     for what in ("logits", "log_probs", "entropy"):
-        worst = max(_values(ranks, f"{layout}/{model}/{what}"))
+        worst = max(on_every_rank(ranks, f"{layout}/{model}/{what}"))
         assert worst <= ATOL, f"{layout} {model} {what}: max |megatron - HF| = {worst}"
 
 
@@ -50,54 +41,54 @@ def test_experts_are_split_over_ep_ranks(ranks):
     assert [r["tp2pp1ep2/dims"] for r in ranks] == [[0, 0, 0, 0, 2, 1], [1, 0, 0, 0, 2, 1], [0, 0, 1, 1, 2, 1],
                                                    [1, 0, 1, 1, 2, 1]]
     assert [r["tp1pp1ep2/dims"][3:] for r in ranks] == [[0, 4, 2], [1, 4, 2], [0, 4, 2], [1, 4, 2]]
-    assert _values(ranks, "tp1pp1ep4/qwen3_moe/local_experts") == [[0], [1], [2], [3]]
-    assert _values(ranks, "tp2pp1ep2/qwen3_moe/local_experts") == [[0, 1], [0, 1], [2, 3], [2, 3]]
-    assert _values(ranks, "tp1pp1ep1/qwen3_moe/local_experts") == [[0, 1, 2, 3]] * 4
-    assert _values(ranks, "tp1pp1ep1/qwen3_tied/local_experts") == [[]] * 4
+    assert on_every_rank(ranks, "tp1pp1ep4/qwen3_moe/local_experts") == [[0], [1], [2], [3]]
+    assert on_every_rank(ranks, "tp2pp1ep2/qwen3_moe/local_experts") == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert on_every_rank(ranks, "tp1pp1ep1/qwen3_moe/local_experts") == [[0, 1, 2, 3]] * 4
+    assert on_every_rank(ranks, "tp1pp1ep1/qwen3_tied/local_experts") == [[]] * 4
 
 
 @pytest.mark.parametrize("layout", ("tp1pp1ep1", "tp1pp2ep1", "tp1pp1ep2", "tp1pp2ep2", "tp1pp1ep4"))
 def test_gradients_through_router_and_experts_match_hf(ranks, layout):
     # d(sum log-probs)/d(router weight, expert 3's down_proj) relative to HF autograd
-    assert max(_values(ranks, f"{layout}/qwen3_moe/grad")) <= 1e-5
+    assert max(on_every_rank(ranks, f"{layout}/qwen3_moe/grad")) <= 1e-5
 
 
 @pytest.mark.parametrize("layout, model", [("tp1pp2ep2", "qwen3_moe"), ("tp2pp1ep2", "qwen3_moe"),
                                            ("tp1pp2ep1", "qwen3_tied")])
 def test_hf_megatron_hf_roundtrip_is_bitwise(ranks, layout, model):
-    assert all(_values(ranks, f"{layout}/{model}/export_names_equal"))
-    assert all(_values(ranks, f"{layout}/{model}/export_bitwise"))  # every rank receives every full tensor
-    assert all(_values(ranks, f"{layout}/{model}/bucket_order_same"))
+    assert all(on_every_rank(ranks, f"{layout}/{model}/export_names_equal"))
+    assert all(on_every_rank(ranks, f"{layout}/{model}/export_bitwise"))  # every rank receives every full tensor
+    assert all(on_every_rank(ranks, f"{layout}/{model}/bucket_order_same"))
 
 
 @pytest.mark.parametrize("transport", ("collective", "shared_memory"))
 def test_export_to_some_ranks_gathers_experts_from_every_ep_rank(ranks, transport):
-    assert all(_values(ranks, f"tp1pp2ep2/destinations/{transport}"))
+    assert all(on_every_rank(ranks, f"tp1pp2ep2/destinations/{transport}"))
 
 
 def test_ep2pp2_checkpoint_loads_at_ep1_and_tp2ep2(ranks):
-    assert max(_values(ranks, "ckpt_ep2pp2_at_tp1pp1ep1/logits")) <= ATOL
-    assert all(_values(ranks, "ckpt_ep2pp2_at_tp1pp1ep1/identical_to_hf_load"))
-    assert max(_values(ranks, "ckpt_ep2pp2_at_tp2pp1ep2/logits")) <= ATOL
+    assert max(on_every_rank(ranks, "ckpt_ep2pp2_at_tp1pp1ep1/logits")) <= ATOL
+    assert all(on_every_rank(ranks, "ckpt_ep2pp2_at_tp1pp1ep1/identical_to_hf_load"))
+    assert max(on_every_rank(ranks, "ckpt_ep2pp2_at_tp2pp1ep2/logits")) <= ATOL
 
 
 def test_convert_with_ep(ranks):
-    assert _values(ranks, "convert/hf_to_mcore_rc") == [0] * 4
-    assert _values(ranks, "convert/bad_ep_rc") == [2] * 4
-    assert all(_values(ranks, "convert/ep1_logits_identical"))  # the TP2 x EP2 checkpoint at TP1 x EP1
-    assert _values(ranks, "convert/mcore_to_hf_ep1_rc") == [0] * 4
-    assert _values(ranks, "convert/mcore_to_hf_ep4_rc") == [0] * 4
+    assert on_every_rank(ranks, "convert/hf_to_mcore_rc") == [0] * 4
+    assert on_every_rank(ranks, "convert/bad_ep_rc") == [2] * 4
+    assert all(on_every_rank(ranks, "convert/ep1_logits_identical"))  # the TP2 x EP2 checkpoint at TP1 x EP1
+    assert on_every_rank(ranks, "convert/mcore_to_hf_ep1_rc") == [0] * 4
+    assert on_every_rank(ranks, "convert/mcore_to_hf_ep4_rc") == [0] * 4
     assert ranks[0]["convert/back_ep1_bitwise"] == "ok" and ranks[0]["convert/back_ep4_bitwise"] == "ok"
 
 
 def test_layout_errors_name_ep(ranks):
-    for err in _values(ranks, "bad_ep3_tp1"):
+    for err in on_every_rank(ranks, "bad_ep3_tp1"):
         assert "ep=3 does not divide the data-parallel size 4" in err
-    for err in _values(ranks, "bad_ep4_tp2"):
+    for err in on_every_rank(ranks, "bad_ep4_tp2"):
         assert "ep=4 does not divide the data-parallel size 2" in err
-    for err in _values(ranks, "dense_ep4_error"):
+    for err in on_every_rank(ranks, "dense_ep4_error"):
         assert "needs a MoE model" in err and "use ep=1" in err
-    for err in _values(ranks, "experts6_ep4_error"):
+    for err in on_every_rank(ranks, "experts6_ep4_error"):
         assert "ep=4 does not divide the model's 6 experts" in err
 
 

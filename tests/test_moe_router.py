@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_util import run_torchrun
+from dist_util import run_cases
 
 SCRIPT = Path(__file__).parent / "dist" / "moe_router.py"
 LAYOUTS = ("dp2", "ep2", "pp2")
@@ -22,10 +22,7 @@ LOSS_LAYOUTS = ("dp2", "ep2", "pp2")  # megatron-core trains MoE under TP only w
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    results = run_torchrun(SCRIPT, 2, tmp_path_factory.mktemp("moe_router"), timeout=600)
-    for r in results:
-        assert "crash" not in r, r["crash"]
-    return results
+    return run_cases(SCRIPT, 2, tmp_path_factory.mktemp("moe_router"), timeout=600)
 
 
 @pytest.mark.parametrize("layout", LOSS_LAYOUTS)

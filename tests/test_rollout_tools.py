@@ -74,3 +74,36 @@ def test_truncation_sides_follow_verl():
     assert truncate_text("abcdefgh", 4, "right") == "abcd...(truncated)"
     assert truncate_text("abcdefgh", 4, "middle") == "ab...(truncated)...gh"
     assert truncate_text("abc", 4, "middle") == "abc"
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+def test_a_tool_that_allocates_without_bound_is_cut_in_memory():
+    """The forked child's address space is capped (RLIMIT_AS) at what it inherits plus max_memory_mb: a tool that
+    keeps allocating gets a MemoryError within the cap, long before the timeout, and a modest one still runs."""
+
+    def hog(**_):
+        chunks = []
+        while True:
+            chunks.append(bytearray(1 << 20))  # 1 MiB at a time, written: real memory, not overcommitted
+
+    def modest(**_):
+        return str(len(bytearray(64 << 20)))
+
+    def one_big(**_):
+        return str(len(bytearray(16 << 30)))  # 16 GiB at once
+
+    registry = {"hog": hog, "modest": modest, "one_big": one_big}
+    before = _rss_mb()
+    start = time.monotonic()
+    text = run_tool_call(ToolCall("hog", {}), timeout_s=30, max_chars=256, registry=registry, max_memory_mb=256)
+    assert text.startswith("error: ") and "did not finish" not in text, text
+    assert time.monotonic() - start < 10  # cut by the memory cap, not by the 30 s timeout
+    assert run_tool_call(ToolCall("one_big", {}), timeout_s=30, max_chars=256, registry=registry,
+                         max_memory_mb=256).startswith("error: MemoryError")
+    assert run_tool_call(ToolCall("modest", {}), timeout_s=30, max_chars=256, registry=registry,
+                         max_memory_mb=256) == str(64 << 20)
+    assert _rss_mb() - before < 64  # the parent never held the tool's memory

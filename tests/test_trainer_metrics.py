@@ -189,3 +189,15 @@ def test_rollout_mismatch_metrics_without_response_tokens_are_invalid_not_an_err
     got = rollout_mismatch_metrics(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3))
     assert got["training/rollout_probs_diff_valid"] == 0.0
     assert all(math.isnan(v) for k, v in got.items() if k != "training/rollout_probs_diff_valid")
+
+
+def test_tool_call_metrics_count_responses_with_calls():
+    import torch
+
+    from mppo.trainer.metrics import tool_call_metrics
+
+    calls = [0, 2, 1, 0, 0, 3, 0, 0]
+    metrics = tool_call_metrics({"num_tool_calls": torch.tensor(calls)})
+    assert metrics == {"multi_turn/tool_call_rate": 3 / 8, "multi_turn/num_tool_calls/mean": 6 / 8,
+                       "multi_turn/num_tool_calls/max": 3.0}
+    assert tool_call_metrics({"response_mask": torch.ones(2, 3)}) == {}  # single-turn batches: nothing

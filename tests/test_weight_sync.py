@@ -2,7 +2,7 @@
 
 One torchrun launch (tests/dist/weight_sync_parallel.py) runs every case. Checked against independent references:
 the HF checkpoint's safetensors (engine weights, bit for bit), the megatron actor's own log-probs of the engine's
-sequences (compute_token_logprobs, fp32, 1e-4), and the rollouts of the other layouts (same seed, same samples).
+sequences (the workers' log-prob path, fp32, 1e-4), and the rollouts of the other layouts (same seed, same samples).
 """
 from __future__ import annotations
 

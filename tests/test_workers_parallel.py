@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_util import run_torchrun
+from dist_util import on_every_rank, run_cases, run_torchrun
 
 SCRIPT = Path(__file__).parent / "dist" / "workers_parallel.py"
 LOGPROB_ATOL = 1e-4
@@ -21,16 +21,7 @@ ACTOR_LAYOUTS = ("tp2pp2", "tp1pp1", "tp2pp1", "tp1pp2", "tp1pp2vpp2")
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    results = run_torchrun(SCRIPT, 4, tmp_path_factory.mktemp("workers_parallel"), timeout=600)
-    for r in results:
-        assert "crash" not in r, r["crash"]
-    return results
-
-
-def _all(ranks, key):
-    missing = [i for i, r in enumerate(ranks) if key not in r]
-    assert not missing, f"{key} missing on ranks {missing}"
-    return [r[key] for r in ranks]
+    return run_cases(SCRIPT, 4, tmp_path_factory.mktemp("workers_parallel"), timeout=600)
 
 
 def test_reference_update_is_large_enough_to_matter(ranks):
@@ -42,29 +33,29 @@ def test_reference_update_is_large_enough_to_matter(ranks):
 @pytest.mark.parametrize("layout", ACTOR_LAYOUTS)
 def test_actor_log_probs_and_entropy_match_hf(ranks, layout):
     for what in ("log_probs_vs_hf", "entropy_vs_hf"):
-        worst = max(_all(ranks, f"{layout}/{what}"))
+        worst = max(on_every_rank(ranks, f"{layout}/{what}"))
         assert worst <= LOGPROB_ATOL, f"{layout} {what}: {worst}"
 
 
 def test_log_prob_paths_agree(ranks):
     # token-budget micro-batches == count micro-batches; naive (megatron CE) == fused kernel; reference == actor
     for key in ("token_budget_vs_count", "naive_vs_fused", "ref_vs_actor"):
-        assert max(_all(ranks, f"tp2pp2/{key}")) <= 1e-5, key
-    assert all(_all(ranks, "tp2pp2/ref_frozen"))
+        assert max(on_every_rank(ranks, f"tp2pp2/{key}")) <= 1e-5, key
+    assert all(on_every_rank(ranks, "tp2pp2/ref_frozen"))
 
 
 @pytest.mark.parametrize("layout", ACTOR_LAYOUTS)
 def test_actor_update_matches_torch_adamw_reference(ranks, layout):
     # two optimizer steps (two mini-batches) of pg - entropy + kl loss, token-mean, clipping on
-    worst = max(_all(ranks, f"{layout}/weights_vs_hf_adamw"))
+    worst = max(on_every_rank(ranks, f"{layout}/weights_vs_hf_adamw"))
     assert worst <= WEIGHT_ATOL, f"{layout}: max |updated weight - reference| = {worst}"
-    assert max(_all(ranks, f"{layout}/weights_vs_tp2pp2")) <= WEIGHT_ATOL, "layouts disagree"
-    assert max(_all(ranks, f"{layout}/grad_norm_rel")) <= 1e-5, "grad norm differs from the global one"
+    assert max(on_every_rank(ranks, f"{layout}/weights_vs_tp2pp2")) <= WEIGHT_ATOL, "layouts disagree"
+    assert max(on_every_rank(ranks, f"{layout}/grad_norm_rel")) <= 1e-5, "grad norm differs from the global one"
 
 
 @pytest.mark.parametrize("layout", ACTOR_LAYOUTS)
 def test_actor_metrics_are_global_and_match_reference(ranks, layout):
-    assert max(_all(ranks, f"{layout}/metrics_vs_ref")) <= 1e-5
+    assert max(on_every_rank(ranks, f"{layout}/metrics_vs_ref")) <= 1e-5
     first = ranks[0][f"{layout}/metrics"]
     assert all(r[f"{layout}/metrics"] == first for r in ranks), "ranks report different metrics"
     assert first["skipped"] is False and first["actor/lr"] == pytest.approx(1e-2)
@@ -73,39 +64,39 @@ def test_actor_metrics_are_global_and_match_reference(ranks, layout):
 @pytest.mark.parametrize("case", ("token-mean/vanilla", "seq-mean-token-mean/vanilla", "token-mean/geo_mean"))
 def test_global_normalisation_dp2_two_micro_batches_equals_dp1_one(ranks, case):
     for layout in ("tp2pp2", "tp2pp1"):
-        assert max(_all(ranks, f"{case}/{layout}/weights_vs_hf_adamw")) <= WEIGHT_ATOL, layout
-        assert max(_all(ranks, f"{case}/{layout}/grad_norm_rel")) <= 1e-5, layout
-        assert max(_all(ranks, f"{case}/{layout}/pg_loss_diff")) <= 1e-5, layout
-    assert max(_all(ranks, f"{case}/dp2_vs_dp1")) <= WEIGHT_ATOL
+        assert max(on_every_rank(ranks, f"{case}/{layout}/weights_vs_hf_adamw")) <= WEIGHT_ATOL, layout
+        assert max(on_every_rank(ranks, f"{case}/{layout}/grad_norm_rel")) <= 1e-5, layout
+        assert max(on_every_rank(ranks, f"{case}/{layout}/pg_loss_diff")) <= 1e-5, layout
+    assert max(on_every_rank(ranks, f"{case}/dp2_vs_dp1")) <= WEIGHT_ATOL
 
 
 def test_tied_embeddings_across_pipeline_stages(ranks):
-    assert max(_all(ranks, "tied/weights_vs_hf_adamw")) <= WEIGHT_ATOL
-    assert max(_all(ranks, "tied/grad_norm_rel")) <= 1e-5
+    assert max(on_every_rank(ranks, "tied/weights_vs_hf_adamw")) <= WEIGHT_ATOL
+    assert max(on_every_rank(ranks, "tied/grad_norm_rel")) <= 1e-5
 
 
 def test_nan_on_one_rank_skips_the_step_everywhere(ranks):
-    assert all(_all(ranks, "nan/skipped"))
-    assert _all(ranks, "nan/skipped_steps") == [1] * 4
-    assert all(_all(ranks, "nan/weights_unchanged"))
-    assert all(_all(ranks, "nan/adam_untouched"))
-    assert all(_all(ranks, "nan/clean_update_not_skipped"))
+    assert all(on_every_rank(ranks, "nan/skipped"))
+    assert on_every_rank(ranks, "nan/skipped_steps") == [1] * 4
+    assert all(on_every_rank(ranks, "nan/weights_unchanged"))
+    assert all(on_every_rank(ranks, "nan/adam_untouched"))
+    assert all(on_every_rank(ranks, "nan/clean_update_not_skipped"))
 
 
 def test_inf_gradient_on_one_rank_skips_the_step_everywhere(ranks):
-    assert all(_all(ranks, "inf_grad/skipped")) and all(_all(ranks, "inf_grad/loss_finite"))
-    assert all(_all(ranks, "inf_grad/weights_unchanged"))
-    assert all(_all(ranks, "inf_grad/adam_steps_unchanged"))
+    assert all(on_every_rank(ranks, "inf_grad/skipped")) and all(on_every_rank(ranks, "inf_grad/loss_finite"))
+    assert all(on_every_rank(ranks, "inf_grad/weights_unchanged"))
+    assert all(on_every_rank(ranks, "inf_grad/adam_steps_unchanged"))
 
 
 @pytest.mark.parametrize("layout", ("tp2pp2", "tp1pp1"))
 def test_critic_values_and_update_match_reference(ranks, layout):
     key = f"critic/{layout}"
-    assert max(_all(ranks, f"{key}/values_vs_hf")) <= LOGPROB_ATOL
-    assert all(d == "torch.float32" for d in _all(ranks, f"{key}/head_dtype"))
-    assert max(_all(ranks, f"{key}/weights_vs_hf_adamw")) <= WEIGHT_ATOL
-    assert max(_all(ranks, f"{key}/metrics_vs_ref")) <= 1e-5
-    assert max(_all(ranks, f"{key}/grad_norm_rel")) <= 1e-5
+    assert max(on_every_rank(ranks, f"{key}/values_vs_hf")) <= LOGPROB_ATOL
+    assert all(d == "torch.float32" for d in on_every_rank(ranks, f"{key}/head_dtype"))
+    assert max(on_every_rank(ranks, f"{key}/weights_vs_hf_adamw")) <= WEIGHT_ATOL
+    assert max(on_every_rank(ranks, f"{key}/metrics_vs_ref")) <= 1e-5
+    assert max(on_every_rank(ranks, f"{key}/grad_norm_rel")) <= 1e-5
 
 
 def test_critic_values_after_update_equal_across_layouts(ranks):
@@ -116,17 +107,29 @@ def test_critic_values_after_update_equal_across_layouts(ranks):
         assert np.abs(np.array(r["critic/tp1pp1/values_after"]) - a).max() <= 1e-5
 
 
+def test_update_metrics_make_no_host_read_per_micro_batch(ranks):
+    # counts of .item()/.tolist()/float()/int()/bool() of a tensor inside each micro-batch's loss function
+    for r in ranks:
+        assert len(r["host_reads/critic"]) == 2 and len(r["host_reads/actor_fused"]) == 2  # micro-batches ran
+        assert r["host_reads/critic"] == [0, 0]
+        # the fused kernel's one read is its label range check (mppo.kernels.fused_logprob), not a metric
+        assert all(n <= 1 for n in r["host_reads/actor_fused"]), r["host_reads/actor_fused"]
+        # the reference path keeps the policy loss's own reads (core_algos returns veRL's float metrics) and
+        # response_logprobs' empty-response check; its own metrics add none
+        assert all(n <= 4 for n in r["host_reads/actor_naive"]), r["host_reads/actor_naive"]
+
+
 @pytest.mark.parametrize("optimizer", ("dist", "plain", "dist_bf16", "plain_bf16"))
 def test_checkpoint_resume_is_exact(ranks, optimizer):
     tag = f"ckpt/{optimizer}"
-    assert _all(ranks, f"{tag}/extra_state") == [{"step": 1, "data": [3, 4]}] * 4
-    assert all(_all(ranks, f"{tag}/rng_same")), "RNG states not restored"
-    assert all(_all(ranks, f"{tag}/lr_same")), "LR schedule position not restored"
-    assert all(_all(ranks, f"{tag}/step2_moved_weights"))
-    assert _all(ranks, f"{tag}/resume_weights_diff") == [0.0] * 4
-    assert all(_all(ranks, f"{tag}/resume_metrics_same"))
+    assert on_every_rank(ranks, f"{tag}/extra_state") == [{"step": 1, "data": [3, 4]}] * 4
+    assert all(on_every_rank(ranks, f"{tag}/rng_same")), "RNG states not restored"
+    assert all(on_every_rank(ranks, f"{tag}/lr_same")), "LR schedule position not restored"
+    assert all(on_every_rank(ranks, f"{tag}/step2_moved_weights"))
+    assert on_every_rank(ranks, f"{tag}/resume_weights_diff") == [0.0] * 4
+    assert all(on_every_rank(ranks, f"{tag}/resume_metrics_same"))
     if optimizer.endswith("bf16"):  # bit-identical because the fp32 main params came back from the checkpoint
-        assert max(_all(ranks, f"{tag}/resume_from_rounded_main_params_diff")) > 0
+        assert max(on_every_rank(ranks, f"{tag}/resume_from_rounded_main_params_diff")) > 0
 
 
 def test_bf16_training_against_fp32(ranks):
@@ -138,16 +141,16 @@ def test_bf16_training_against_fp32(ranks):
     by the fp32 step to within 10% in L2 (measured 5.2%: elements whose gradient is within bf16 noise of 0 flip
     sign). The naive and fused log-prob paths on the same bf16 weights agree to 9.5e-7.
     """
-    assert set(_all(ranks, "bf16/param_dtypes")[0]) == {"torch.bfloat16"}
-    assert _all(ranks, "bf16/export_dtypes")[0] == ["torch.bfloat16"]
-    assert max(_all(ranks, "bf16/fp32_log_probs_vs_hf")) <= LOGPROB_ATOL
-    assert max(_all(ranks, "bf16/log_probs_vs_fp32")) <= 0.05
+    assert set(on_every_rank(ranks, "bf16/param_dtypes")[0]) == {"torch.bfloat16"}
+    assert on_every_rank(ranks, "bf16/export_dtypes")[0] == ["torch.bfloat16"]
+    assert max(on_every_rank(ranks, "bf16/fp32_log_probs_vs_hf")) <= LOGPROB_ATOL
+    assert max(on_every_rank(ranks, "bf16/log_probs_vs_fp32")) <= 0.05
     for key, rel in ranks[0]["bf16/metrics_rel"].items():
         assert rel <= 0.05, (key, rel)
     assert all(r["bf16/metrics_rel"] == ranks[0]["bf16/metrics_rel"] for r in ranks)
-    assert max(_all(ranks, "bf16/weight_change_rel")) <= 0.10
+    assert max(on_every_rank(ranks, "bf16/weight_change_rel")) <= 0.10
     # loss/log-prob math is fp32 in both log-prob paths, so they agree on the same bf16 weights
-    assert max(_all(ranks, "bf16/naive_vs_fused_log_probs")) <= 1e-4
+    assert max(on_every_rank(ranks, "bf16/naive_vs_fused_log_probs")) <= 1e-4
 
 
 def test_bf16_updates_below_bf16_resolution_accumulate_in_fp32_main_params(ranks):
@@ -160,21 +163,21 @@ def test_bf16_updates_below_bf16_resolution_accumulate_in_fp32_main_params(ranks
 
 def test_checkpoint_loads_at_another_layout(ranks):
     # TP2xPP2 -> TP1xPP1 (DP4): the same weights bit for bit, the same log-probs
-    assert all(_all(ranks, "ckpt/tp1_weights_bitwise"))
-    assert max(_all(ranks, "ckpt/tp1_log_probs_vs_tp2pp2")) <= 1e-5
+    assert all(on_every_rank(ranks, "ckpt/tp1_weights_bitwise"))
+    assert max(on_every_rank(ranks, "ckpt/tp1_log_probs_vs_tp2pp2")) <= 1e-5
     # the non-distributed optimizer reshards: step 2 resumed at TP1 equals step 2 at TP2xPP2
-    assert max(_all(ranks, "ckpt/plain_tp1_resume_weights_diff")) <= WEIGHT_ATOL
-    assert max(_all(ranks, "ckpt/plain_tp1_resume_pg_loss_diff")) <= 1e-5
+    assert max(on_every_rank(ranks, "ckpt/plain_tp1_resume_weights_diff")) <= WEIGHT_ATOL
+    assert max(on_every_rank(ranks, "ckpt/plain_tp1_resume_pg_loss_diff")) <= 1e-5
 
 
 def test_mismatched_checkpoints_give_clear_errors(ranks):
-    for err in _all(ranks, "ckpt/dist_to_tp1_error"):
+    for err in on_every_rank(ranks, "ckpt/dist_to_tp1_error"):
         assert "CheckpointMismatchError" in err and "tp 2 (checkpoint) vs 1" in err and "load_optimizer=False" in err
-    for err in _all(ranks, "ckpt/rng_layout_error"):
+    for err in on_every_rank(ranks, "ckpt/rng_layout_error"):
         assert "RNG" in err and "load_rng=False" in err
-    for err in _all(ranks, "ckpt/other_model_error"):
+    for err in on_every_rank(ranks, "ckpt/other_model_error"):
         assert "another model" in err and "vocab_size 1003 (checkpoint) vs 1000" in err
-    for err in _all(ranks, "ckpt/missing_error"):
+    for err in on_every_rank(ranks, "ckpt/missing_error"):
         assert "FileNotFoundError" in err and "not a complete mppo worker checkpoint" in err
 
 

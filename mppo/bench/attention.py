@@ -6,9 +6,10 @@ cuDNN on CUDA), side by side in one run.
 The model is a random Qwen2-shaped megatron GPTModel built by mppo's builder (`build_gpt_model`, the real spec
 path), run on one sequence of L tokens with its output layer skipped: the loss is Σ random · final hidden states,
 so the vocabulary projection (the log-prob kernel's business, `mppo bench kernels`) does not hide the attention.
-Every (L, implementation) case runs in a FRESH subprocess, so allocator caches and high-water marks never leak
-from one case into the next, and `--runs` repeats the whole sweep with the two implementations in alternating
-order (the machine may be shared: CPU time is reported beside the wall clock, and the minimum over runs).
+Every (L, implementation) case runs in a FRESH subprocess (mppo.bench.fresh_process), so allocator caches and
+high-water marks never leak from one case into the next, and `--runs` repeats the whole sweep with the two
+implementations in alternating order (the machine may be shared: CPU time is reported beside the wall clock, and the
+minimum over runs).
 Memory method, as in `mppo bench kernels`:
   * CPU: the process's peak resident set size (getrusage ru_maxrss) minus its RSS after the model and inputs were
     built, minus the bytes of the parameter gradients (the same for both), measured on the first forward + backward;
@@ -21,11 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 import time
 from typing import Optional
+
+from mppo.bench.fresh_process import peak_rss_bytes, run_case, write_results
 
 IMPLS = ("sdpa", "local")
 FULL_LENGTHS = (1024, 4096, 8192)
@@ -76,7 +77,7 @@ def worker(impl: str, length: int, opts: argparse.Namespace) -> dict:
     if cuda:
         peak = torch.cuda.max_memory_allocated()
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        peak = peak_rss_bytes()
     times, cpu_times = [], []
     for _ in range(opts.repeats):
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -90,22 +91,10 @@ def worker(impl: str, length: int, opts: argparse.Namespace) -> dict:
 
 
 def _launch(impl: str, length: int, opts: argparse.Namespace) -> dict:
-    cmd = [sys.executable, "-m", "mppo.bench.attention", "--worker", impl, "--length", str(length),
-           "--layers", str(opts.layers), "--hidden", str(opts.hidden), "--heads", str(opts.heads),
-           "--kv-heads", str(opts.kv_heads), "--repeats", str(opts.repeats)]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    if opts.threads:
-        env["OMP_NUM_THREADS"] = str(opts.threads)
-    if opts.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=opts.timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"impl": impl, "length": length, "error": f"timed out after {opts.timeout:.0f}s"}
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or [f"(no output; killed by signal {-proc.returncode}?)"])[-1]
-        return {"impl": impl, "length": length, "error": f"exit {proc.returncode}: {last[:120]}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    args = [impl, "--length", str(length), "--layers", str(opts.layers), "--hidden", str(opts.hidden),
+            "--heads", str(opts.heads), "--kv-heads", str(opts.kv_heads), "--repeats", str(opts.repeats)]
+    return run_case("mppo.bench.attention", args, case={"impl": impl, "length": length}, timeout=opts.timeout,
+                    threads=opts.threads, hide_gpus=opts.device == "cpu")
 
 
 def summarise(runs: list[dict]) -> list[dict]:
@@ -198,9 +187,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                             f"extra {r['extra_bytes'] / 2 ** 20:.1f} MiB ({r['core_attention']})")
                 print(f"  run {run} {impl:<5} L={length:<6} {status}", flush=True)
     print(table(summarise(results)))
-    if opts.json:
-        with open(opts.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_results(opts.json, results)
     return 1 if any("error" in r for r in results) else 0
 
 

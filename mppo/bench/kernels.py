@@ -17,8 +17,8 @@ hidden and the LM head:
 pass before the measurement (the current log-probs plus noise, so ratios sit around 1 and the clip is active on
 some tokens).
 
-Every (implementation, N, H) case runs in a FRESH subprocess, so allocator caches and high-water marks never leak
-from one case into the next. Memory method:
+Every (implementation, N, H) case runs in a FRESH subprocess (mppo.bench.fresh_process), so allocator caches and
+high-water marks never leak from one case into the next. Memory method:
   * CPU: the process's peak resident set size (getrusage ru_maxrss, the kernel's high-water mark) minus the RSS
     measured after the inputs were created, minus the bytes of the gradients of the inputs (which every
     implementation must produce). glibc returns large blocks to the OS when freed, so RSS follows live tensors
@@ -34,11 +34,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 import time
 from typing import Optional
+
+from mppo.bench.fresh_process import peak_rss_bytes, run_case, write_results
 
 FULL_CASES = [(1024, 512), (1024, 1024), (4096, 512), (4096, 1024)]
 FULL_VOCAB = 151_936  # Qwen2 / Qwen2.5
@@ -160,7 +160,7 @@ def worker(impl: str, n: int, h: int, vocab: int, device: str, warmup: int, repe
     if cuda:
         peak = torch.cuda.max_memory_allocated()
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        peak = peak_rss_bytes()
     return {"impl": impl, "n": n, "h": h, "vocab": vocab, "device": device,
             "dtype": str(dtype).replace("torch.", ""), "time_s": min(times), "cpu_s": min(cpu_times),
             "extra_bytes": peak - base - grad_bytes, "loss": loss_value, "chunk_rows": chunk_rows}
@@ -179,18 +179,11 @@ def _available(impl: str, device: str) -> Optional[str]:
 
 
 def _launch(impl: str, n: int, h: int, vocab: int, args) -> dict:
-    cmd = [sys.executable, "-m", "mppo.bench.kernels", "--worker", impl, "--n", str(n), "--h", str(h),
-           "--vocab", str(vocab), "--device", args.device, "--warmup", str(args.warmup),
-           "--repeats", str(args.repeats)] + (["--chunk-rows", str(args.chunk_rows)] if args.chunk_rows else [])
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} if args.threads else dict(os.environ)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"impl": impl, "n": n, "h": h, "error": f"timed out after {args.timeout:.0f}s"}
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return {"impl": impl, "n": n, "h": h, "error": f"exit {proc.returncode}: {last[:120]}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    worker_args = [impl, "--n", str(n), "--h", str(h), "--vocab", str(vocab), "--device", args.device,
+                   "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+    worker_args += ["--chunk-rows", str(args.chunk_rows)] if args.chunk_rows else []
+    return run_case("mppo.bench.kernels", worker_args, case={"impl": impl, "n": n, "h": h}, timeout=args.timeout,
+                    threads=args.threads)
 
 
 def _table(results: list[dict], device: str) -> str:
@@ -279,9 +272,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             status = r.get("error") or f"{r['time_s']:.3f}s, extra {r['extra_bytes'] / 2 ** 20:.1f} MiB"
             print(f"  {impl:<6} N={n:<5} H={h:<5} {status}", flush=True)
     print(_table(results, args.device))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_results(args.json, results)
     return 1 if any("error" in r for r in results) else 0
 
 

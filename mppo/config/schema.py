@@ -162,6 +162,7 @@ class MultiTurnConfig:
     max_tool_response_length: int = 256  # characters of a tool message kept
     tool_response_truncate_side: str = choice("middle", "left", "right")  # which part of a longer one is kept
     format: str = choice("hermes")  # tool calls: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+    tool_max_memory_mb: Optional[int] = 1024  # MiB a tool call may allocate (child RLIMIT_AS); null: no cap (mppo)
 
 
 @dataclass

@@ -81,7 +81,7 @@ _OPTIMS = [f"{ACTOR}.optim", "critic.optim"]
 _RANGES: list[tuple[list[str], tuple[Callable[[Any], bool], str]]] = [
     (["data.train_batch_size", "data.gen_batch_size", "data.val_batch_size", "data.max_prompt_length",
       "data.max_response_length", f"{ROLLOUT}.multi_turn.max_assistant_turns",
-      f"{ROLLOUT}.multi_turn.max_tool_response_length",
+      f"{ROLLOUT}.multi_turn.max_tool_response_length", f"{ROLLOUT}.multi_turn.tool_max_memory_mb",
       f"{ACTOR}.ppo_mini_batch_size", f"{ACTOR}.ppo_micro_batch_size_per_gpu", f"{ACTOR}.ppo_max_token_len_per_gpu",
       f"{ACTOR}.ppo_epochs", f"{ROLLOUT}.n", f"{ROLLOUT}.tensor_model_parallel_size",
       f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", f"{ROLLOUT}.weight_bucket_mb", f"{ROLLOUT}.val_kwargs.n",

@@ -9,7 +9,8 @@ import torch
 
 from .agg import GlobalBatchInfo
 from .masked import masked_mean
-from .pg_registry import PolicyLossParams, aggregate_token_losses, register_policy_loss
+from .pg_registry import (PolicyLossParams, aggregate_token_losses, clip_metrics, importance_ratio,
+                          register_policy_loss)
 
 __all__ = [
     "compute_policy_loss_gspo",
@@ -54,11 +55,7 @@ def compute_policy_loss_gspo(
 
     pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
     ppo_kl = masked_mean(-log_ratio, response_mask)
-    return pg_loss, {
-        "actor/pg_clipfrac": pg_clipfrac.detach().item(),
-        "actor/ppo_kl": ppo_kl.detach().item(),
-        "actor/pg_clipfrac_lower": 0.0,
-    }
+    return pg_loss, clip_metrics(pg_clipfrac, ppo_kl, 0.0)
 
 
 @register_policy_loss("geo_mean")
@@ -105,11 +102,7 @@ def compute_policy_loss_geo_mean(
     clipped = torch.ne(log_ratio, log_ratio_clamped)
     pg_clipfrac = masked_mean((clipped * (advantages > 0)).float(), response_mask)
     pg_clipfrac_lower = masked_mean((clipped * (advantages < 0)).float(), response_mask)
-    return pg_loss, {
-        "actor/pg_clipfrac": pg_clipfrac.detach().item(),
-        "actor/ppo_kl": ppo_kl.detach().item(),
-        "actor/pg_clipfrac_lower": pg_clipfrac_lower.detach().item(),
-    }
+    return pg_loss, clip_metrics(pg_clipfrac, ppo_kl, pg_clipfrac_lower)
 
 
 @register_policy_loss("clip_cov")
@@ -134,9 +127,7 @@ def compute_policy_loss_clip_cov(
     params = config or _DEFAULT_PARAMS
     if not params.clip_cov_ratio > 0:
         raise ValueError(f"loss_mode 'clip_cov' needs clip_cov_ratio > 0, got {params.clip_cov_ratio}.")
-    log_ratio = log_prob - old_log_prob
-    ratio = torch.exp(log_ratio)
-    ppo_kl = masked_mean(-log_ratio, response_mask)
+    log_ratio, ratio, ppo_kl = importance_ratio(log_prob, old_log_prob, response_mask, clamp=False)
 
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1 - params.low, 1 + params.high)
@@ -160,7 +151,7 @@ def compute_policy_loss_clip_cov(
     pg_clipfrac = masked_mean((keep == 0).float(), response_mask)
     pg_losses = torch.maximum(pg_losses1, pg_losses2) * keep
     pg_loss = aggregate_token_losses(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, batch_info)
-    return pg_loss, {"actor/pg_clipfrac": pg_clipfrac.detach().item(), "actor/ppo_kl": ppo_kl.detach().item()}
+    return pg_loss, clip_metrics(pg_clipfrac, ppo_kl)
 
 
 @register_policy_loss("kl_cov")

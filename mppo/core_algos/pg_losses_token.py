@@ -10,7 +10,8 @@ import torch
 
 from .agg import GlobalBatchInfo
 from .masked import masked_mean
-from .pg_registry import PolicyLossParams, aggregate_token_losses, register_policy_loss
+from .pg_registry import (PolicyLossParams, aggregate_token_losses, clip_metrics, importance_ratio,
+                          register_policy_loss)
 
 __all__ = [
     "compute_policy_loss_vanilla",
@@ -23,11 +24,6 @@ __all__ = [
 ]
 
 _DEFAULT_PARAMS = PolicyLossParams()
-
-
-def _clamped_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:
-    # veRL clamps the log-ratio to +-20 before exp() "for stability"; the clamped value also feeds ppo_kl.
-    return torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
 
 
 @register_policy_loss("vanilla")
@@ -56,9 +52,7 @@ def compute_policy_loss_vanilla(
     clip_ratio_c = params.clip_ratio_c
     if not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c (the dual-clip bound) must be > 1.0, got {clip_ratio_c}.")
-    log_ratio = _clamped_log_ratio(log_prob, old_log_prob)
-    ratio = torch.exp(log_ratio)
-    ppo_kl = masked_mean(-log_ratio, response_mask)
+    log_ratio, ratio, ppo_kl = importance_ratio(log_prob, old_log_prob, response_mask, clamp=True)
 
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1 - params.low, 1 + params.high)
@@ -71,11 +65,7 @@ def compute_policy_loss_vanilla(
 
     pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
     pg_loss = aggregate_token_losses(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, batch_info)
-    return pg_loss, {
-        "actor/pg_clipfrac": pg_clipfrac.detach().item(),
-        "actor/ppo_kl": ppo_kl.detach().item(),
-        "actor/pg_clipfrac_lower": pg_clipfrac_lower.detach().item(),
-    }
+    return pg_loss, clip_metrics(pg_clipfrac, ppo_kl, pg_clipfrac_lower)
 
 
 def _dppo_loss(
@@ -89,9 +79,7 @@ def _dppo_loss(
     batch_info: GlobalBatchInfo | None,
     divergence: str,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    log_ratio = _clamped_log_ratio(log_prob, old_log_prob)
-    ratio = torch.exp(log_ratio)
-    ppo_kl = masked_mean(-log_ratio, response_mask)
+    log_ratio, ratio, ppo_kl = importance_ratio(log_prob, old_log_prob, response_mask, clamp=True)
     # Truncated IS instead of a dual clip (DPPO paper, section 5.4); the truncated ratio carries no gradient.
     truncated_ratio = torch.clamp(ratio, max=params.clip_ratio_c).detach()
 
@@ -111,11 +99,7 @@ def _dppo_loss(
     pg_loss = aggregate_token_losses(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, batch_info)
     pg_clipfrac = masked_mean((1.0 - valid_mask).float(), response_mask)
     pg_clipfrac_lower = masked_mean((ratio > params.clip_ratio_c).float() * valid_mask, response_mask)
-    return pg_loss, {
-        "actor/pg_clipfrac": pg_clipfrac.detach().item(),
-        "actor/ppo_kl": ppo_kl.detach().item(),
-        "actor/pg_clipfrac_lower": pg_clipfrac_lower.detach().item(),
-    }
+    return pg_loss, clip_metrics(pg_clipfrac, ppo_kl, pg_clipfrac_lower)
 
 
 @register_policy_loss("dppo_tv")
@@ -170,18 +154,12 @@ def compute_policy_loss_cispo(
     the +-20-clamped log-ratio. Gradient flows through log_prob only, on every token (clipped ones too).
     pg_clipfrac = masked_mean(ratio != clipped ratio); pg_clipfrac_lower is always 0."""
     params = config or _DEFAULT_PARAMS
-    log_ratio = _clamped_log_ratio(log_prob, old_log_prob)
-    ratio = torch.exp(log_ratio)
-    ppo_kl = masked_mean(-log_ratio, response_mask)
+    log_ratio, ratio, ppo_kl = importance_ratio(log_prob, old_log_prob, response_mask, clamp=True)
     clipped_ratio = torch.clamp(ratio, 1 - params.low, 1 + params.high)
     pg_losses = -clipped_ratio.detach() * advantages * log_prob
     pg_clipfrac = masked_mean((ratio != clipped_ratio).float(), response_mask)
     pg_loss = aggregate_token_losses(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, batch_info)
-    return pg_loss, {
-        "actor/pg_clipfrac": pg_clipfrac.detach().item(),
-        "actor/ppo_kl": ppo_kl.detach().item(),
-        "actor/pg_clipfrac_lower": 0.0,
-    }
+    return pg_loss, clip_metrics(pg_clipfrac, ppo_kl, 0.0)
 
 
 @register_policy_loss("sapo")
@@ -205,18 +183,12 @@ def compute_policy_loss_sapo(
     params = config or _DEFAULT_PARAMS
     tau_pos = torch.as_tensor(params.tau_pos, dtype=advantages.dtype, device=advantages.device)
     tau_neg = torch.as_tensor(params.tau_neg, dtype=advantages.dtype, device=advantages.device)
-    log_ratio = _clamped_log_ratio(log_prob, old_log_prob)
-    ratio = torch.exp(log_ratio)
+    log_ratio, ratio, ppo_kl = importance_ratio(log_prob, old_log_prob, response_mask, clamp=True)
     taus = torch.where(advantages > 0, tau_pos, tau_neg)
     gates = torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus)
     pg_losses = -gates * advantages
     pg_loss = aggregate_token_losses(pg_losses, response_mask, "seq-mean-token-mean", rollout_is_weights, batch_info)
-    ppo_kl = masked_mean(-log_ratio, response_mask)
-    return pg_loss, {
-        "actor/pg_clipfrac": 0.0,
-        "actor/ppo_kl": ppo_kl.detach().item(),
-        "actor/pg_clipfrac_lower": 0.0,
-    }
+    return pg_loss, clip_metrics(0.0, ppo_kl, 0.0)
 
 
 @register_policy_loss("gpg")

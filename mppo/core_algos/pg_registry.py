@@ -18,6 +18,7 @@ from typing import Callable, Protocol
 import torch
 
 from .agg import GlobalBatchInfo, agg_loss
+from .masked import masked_mean
 from .rollout_correction import RolloutCorrectionParams
 
 __all__ = [
@@ -27,6 +28,8 @@ __all__ = [
     "register_policy_loss",
     "get_policy_loss_fn",
     "aggregate_token_losses",
+    "importance_ratio",
+    "clip_metrics",
 ]
 
 
@@ -113,3 +116,26 @@ def aggregate_token_losses(
         pg_losses = pg_losses * rollout_is_weights
     info = batch_info or _NO_BATCH_INFO
     return agg_loss(pg_losses, response_mask, loss_agg_mode, **info.as_kwargs())
+
+
+def importance_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, response_mask: torch.Tensor, *,
+                     clamp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-ratio lr = log_prob - old_log_prob, ratio = exp(lr), ppo_kl = masked_mean(-lr)): the preamble of the
+    ratio-based losses. `clamp`: veRL's token losses clamp lr to +-20 before exp() "for stability", and the
+    clamped value feeds ppo_kl too; the sequence-coupled ones do not."""
+    log_ratio = log_prob - old_log_prob
+    if clamp:
+        log_ratio = torch.clamp(log_ratio, min=-20.0, max=20.0)
+    return log_ratio, torch.exp(log_ratio), masked_mean(-log_ratio, response_mask)
+
+
+def clip_metrics(pg_clipfrac: torch.Tensor | float, ppo_kl: torch.Tensor | float,
+                 pg_clipfrac_lower: torch.Tensor | float | None = None) -> dict[str, float]:
+    """A policy loss's metrics as veRL returns them: Python floats; `pg_clipfrac_lower` None leaves its key out."""
+    def value(v: torch.Tensor | float) -> float:
+        return v.detach().item() if isinstance(v, torch.Tensor) else v
+
+    metrics = {"actor/pg_clipfrac": value(pg_clipfrac), "actor/ppo_kl": value(ppo_kl)}
+    if pg_clipfrac_lower is not None:
+        metrics["actor/pg_clipfrac_lower"] = value(pg_clipfrac_lower)
+    return metrics

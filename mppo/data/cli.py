@@ -41,7 +41,8 @@ def _digits(text: str) -> int | tuple[int, int]:
 
 _TEMPLATE_HELP = ("base: plain-text conversation; qwen-instruct: <|im_start|> chat markers (both TinyZero's, "
                   "<answer> tags); short: the question alone (tiny models on CPU); chat: the plain question in the "
-                  "tokenizer's chat template, scored in the natural style (instruct models)")
+                  "tokenizer's chat template, scored in the natural style (instruct models); tool: chat plus how to call "
+                  "the calculator (multi-turn rollouts, actor_rollout_ref.rollout.multi_turn)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,7 +13,8 @@ Templates: "base" and "qwen-instruct" are TinyZero's (the answer in `<answer>` t
 the question and the assistant turn of "base" (tiny models on CPU); "chat" is the plain question as a user message
 for instruct models: the tokenizer's own chat template is applied when the prompts are tokenized (RLDataset
 does so when the tokenizer has one), and the rows' reward style is "natural" (mppo.rewards.answer: the model's
-own way of answering is scored, `<answer>` tags or not).
+own way of answering is scored, `<answer>` tags or not); "tool" is "chat" plus how to call the calculator of
+multi-turn rollouts (a hermes `<tool_call>` example), also scored in the natural style.
 
 `extra_info.solution` is an answer that earns the full score (a countdown expression, or the product): handy for
 a supervised warm-up and for checking the data.
@@ -34,7 +35,7 @@ from mppo.errors import UserError
 
 # base and qwen-instruct are TinyZero's two prompt styles; short keeps only the question and the assistant turn
 # (same reward, same answer format) so that tiny models on CPU see ~25-token prompts instead of ~130 (the CPU demo).
-TEMPLATES = ("base", "qwen-instruct", "short", "chat")
+TEMPLATES = ("base", "qwen-instruct", "short", "chat", "tool")
 
 # TinyZero's countdown prompt (examples/data_preprocess/countdown.py); its reward looks for "Assistant:" or
 # "<|im_start|>assistant" and the <answer> tags.
@@ -56,6 +57,12 @@ _MULTIPLY_BASE = ("A conversation between User and Assistant. The user asks a qu
 _COUNTDOWN_CHAT = ("Using the numbers {numbers}, create an equation that equals {target}. Use +, -, * or / and "
                    "each number exactly once.")
 _MULTIPLY_CHAT = "What is {a} * {b}? Answer with a number."
+# The "tool" template: the chat question plus how to call the calculator of multi-turn rollouts
+# (actor_rollout_ref.rollout.multi_turn, mppo.rollout.tools) in the hermes format. It is told in the user text
+# because small instruct models' chat templates (SmolLM2's) take no `tools=`.
+_TOOL_HINT = (" You may use a calculator: write <tool_call>{{\"name\": \"calculator\", \"arguments\": "
+              "{{\"expression\": \"{example}\"}}}}</tool_call> and its result comes back. Give your final "
+              "answer in <answer> </answer> tags.")
 _MULTIPLY_TASK = ("Calculate {a} * {b}. Show your work in <think> </think> tags. And return the final answer in "
                   "<answer> </answer> tags, for example <answer> 1234 </answer>.")
 
@@ -91,6 +98,9 @@ def countdown_prompt(target: int, numbers: list[int] | tuple[int, ...], template
     task = _COUNTDOWN_TASK.format(numbers=list(numbers), target=target)
     if template == "chat":
         return _COUNTDOWN_CHAT.format(numbers=list(numbers), target=target)
+    if template == "tool":
+        example = " + ".join(str(n) for n in numbers)
+        return _COUNTDOWN_CHAT.format(numbers=list(numbers), target=target) + _TOOL_HINT.format(example=example)
     if template == "base":
         return f"{_BASE_PREAMBLE}\nUser: {task}\nAssistant: Let me solve this step by step.\n<think>"
     if template == "short":
@@ -103,6 +113,8 @@ def multiply_prompt(a: int, b: int, template: str = "base") -> str:
     _check_template(template)
     if template == "chat":
         return _MULTIPLY_CHAT.format(a=a, b=b)
+    if template == "tool":
+        return _MULTIPLY_CHAT.format(a=a, b=b) + _TOOL_HINT.format(example=f"{a} * {b}")
     if template == "base":
         return _MULTIPLY_BASE.format(a=a, b=b)
     if template == "short":
@@ -183,8 +195,8 @@ def generate_multiply(count: int, *, digits: int | tuple[int, int] = 3, seed: in
 
 
 def reward_style(template: str) -> str:
-    """The reward style of rows written with `template`: "natural" for chat, TinyZero's "rule" otherwise."""
-    return "natural" if template == "chat" else "rule"
+    """The reward style of rows written with `template`: "natural" for chat and tool, TinyZero's "rule" otherwise."""
+    return "natural" if template in ("chat", "tool") else "rule"
 
 
 def _row(data_source: str, prompt: str, ground_truth: Any, split: str, index: int, solution: str,

@@ -57,10 +57,6 @@ class ParallelDims:
         return self.vpp or 1
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 

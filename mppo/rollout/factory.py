@@ -11,6 +11,9 @@ per group (in group order), runs each group's engine on its share, and gathers e
 (prompt-major, in global order); the trainer keeps its DP rows. Prompts keep their global index
 (`prompt_offsets`), which seeds each sample, so with an engine that honours per-sample seeds (the CPU engine;
 SGLang on GPU, with deterministic inference) any split over groups gives the same rollouts.
+With `rollout.multi_turn` the trainer passes an `AgentLoop` (mppo.rollout.agent_loop): each group runs the agent
+loop on its share over its engine (tools on the group's first rank, their messages shared with the group), and the
+responses carry their loss masks (0 on tool turns) and tool-call counts through the gather.
 
 Weights. `Rollout.sync_weights` is collective over every rank: the exporter (mppo.models.weight_export) reshards
 the actor from its TP x PP x DP layout to full HF tensors for every rank of every rollout group (each
@@ -49,8 +52,10 @@ from torch import nn
 
 from mppo.config import ConfigError, MppoConfig
 from mppo.models.hf_config import HFModelArgs
+from mppo.rollout.agent_loop import AgentLoop, AgentResponse, ToolRunner
 from mppo.rollout.base import RolloutEngine, RolloutResponse, SamplingParams
 from mppo.rollout.seeding import stable_hash63
+from mppo.rollout.tools import ToolCall
 from mppo.rollout.weight_sync import SyncStats, push_actor_weights
 
 log = logging.getLogger("mppo")
@@ -203,10 +208,11 @@ class Rollout:
     (`sync_weights`, `generate`, `release`; each on every rank). See the module docstring for the sequence."""
 
     def __init__(self, name: str, engine: RolloutEngine, layout: RolloutLayout, *, free_cache_engine: bool,
-                 object_group: Any | None) -> None:
+                 object_group: Any | None, group_comm: Any | None = None) -> None:
         self.name, self.engine, self.layout = name, engine, layout
         self.free_cache_engine = free_cache_engine
         self._object_group = object_group  # gloo group of every rank, for gathering responses (None: world of 1)
+        self._group_comm = group_comm  # gloo group of this rollout group's ranks (None: a group of one)
         self._offloaded: TrainerState | None = None
 
     def sync_weights(self, model_chunks: Sequence[nn.Module], hf_args: HFModelArgs, *, bucket_bytes: int,
@@ -224,15 +230,34 @@ class Rollout:
         return stats
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, step: int,
-                 first_index: int = 0) -> list[RolloutResponse]:
+                 first_index: int = 0, agent: AgentLoop | None = None) -> list[RolloutResponse | AgentResponse]:
         """Step 5: every response to the GLOBAL `prompts` (prompt i has global index first_index + i), on every
-        rank, prompt-major in global order. Each group generates its share (module docstring)."""
+        rank, prompt-major in global order. Each group generates its share (module docstring); with `agent`
+        (rollout.multi_turn) each group runs the agent loop on its share, over its engine."""
         share = self.layout.share(len(prompts))
-        mine: list[RolloutResponse] = []
+        mine: list[Any] = []
         if len(share):
-            mine = self.engine.generate([list(prompts[i]) for i in share], sampling, step=step,
-                                        prompt_offsets=[first_index + i for i in share])
+            own = [list(prompts[i]) for i in share]
+            offsets = [first_index + i for i in share]
+            if agent is None:
+                mine = self.engine.generate(own, sampling, step=step, prompt_offsets=offsets)
+            else:
+                mine = agent.generate(self.engine, own, sampling, step=step, prompt_offsets=offsets,
+                                      run_tools=self._group_tools(agent))
         return self._gather(mine if self.layout.is_driver else [])
+
+    def _group_tools(self, agent: AgentLoop) -> ToolRunner:
+        """The agent's tools run on the group's first rank, their messages shared with the group's other ranks:
+        a timeout on one rank only must not make the ranks of one SGLang engine continue different conversations."""
+        local = agent.local_tools()
+        if self._group_comm is None:
+            return local
+
+        def run(calls: list[ToolCall]) -> list[str]:
+            box = [local(calls) if self.layout.is_driver else None]
+            dist.broadcast_object_list(box, src=self.layout.ranks[0], group=self._group_comm)
+            return box[0]
+        return run
 
     def release(self) -> None:
         """Steps 6-7: free the engines' memory (unless rollout.free_cache_engine is false), then reload what
@@ -257,10 +282,11 @@ class Rollout:
         return [resp for part in parts for resp in _unpack(part)]
 
 
-def _pack(responses: list[RolloutResponse]) -> dict[str, torch.Tensor]:
-    """Responses as a few flat tensors (they pickle as raw bytes, unlike lists of Python numbers)."""
+def _pack(responses: list[RolloutResponse | AgentResponse]) -> dict[str, torch.Tensor]:
+    """Responses as a few flat tensors (they pickle as raw bytes, unlike lists of Python numbers). Agent loop
+    responses also carry their loss masks and tool-call counts."""
     lengths = [len(r.token_ids) for r in responses]
-    return {
+    packed = {
         "keys": torch.tensor([[r.prompt_index, r.sample_index, r.finish_reason == "stop"] for r in responses],
                              dtype=torch.int64).reshape(-1, 3),
         "lengths": torch.tensor(lengths, dtype=torch.int64),
@@ -268,25 +294,35 @@ def _pack(responses: list[RolloutResponse]) -> dict[str, torch.Tensor]:
         "log_probs": torch.tensor([lp for r in responses for lp in r.log_probs], dtype=torch.float64),  # lossless
         **_pack_routes(responses),
     }
+    if responses and isinstance(responses[0], AgentResponse):
+        packed["loss_mask"] = torch.tensor([m for r in responses for m in r.loss_mask], dtype=torch.int8)
+        packed["num_tool_calls"] = torch.tensor([r.num_tool_calls for r in responses], dtype=torch.int64)
+    return packed
 
 
-def _pack_routes(responses: list[RolloutResponse]) -> dict[str, torch.Tensor]:
+def _pack_routes(responses: list[RolloutResponse | AgentResponse]) -> dict[str, torch.Tensor]:
     """Routed experts (routing replay), when the engine recorded them: concatenated over responses."""
-    if not responses or getattr(responses[0], "routed_experts", None) is None:
+    if not responses or getattr(responses[0], "routed_experts", None) is None:  # AgentResponse has none
         return {}
     return {"routes": torch.cat([r.routed_experts for r in responses]),
             "route_lengths": torch.tensor([r.routed_experts.shape[0] for r in responses], dtype=torch.int64)}
 
 
-def _unpack(packed: dict[str, torch.Tensor]) -> list[RolloutResponse]:
-    tokens = packed["tokens"].split(packed["lengths"].tolist())
-    log_probs = packed["log_probs"].split(packed["lengths"].tolist())
+def _unpack(packed: dict[str, torch.Tensor]) -> list[RolloutResponse | AgentResponse]:
+    lengths = packed["lengths"].tolist()
+    tokens, log_probs = packed["tokens"].split(lengths), packed["log_probs"].split(lengths)
+    keys = packed["keys"].tolist()
+    if "loss_mask" in packed:
+        return [AgentResponse(int(key[0]), int(key[1]), t.tolist(), lp.tolist(), m.tolist(), int(calls),
+                              "stop" if key[2] else "length")
+                for key, t, lp, m, calls in zip(keys, tokens, log_probs, packed["loss_mask"].split(lengths),
+                                                packed["num_tool_calls"].tolist())]
     routes = (packed["routes"].split(packed["route_lengths"].tolist()) if "routes" in packed
               else [None] * len(tokens))
     return [RolloutResponse(prompt_index=int(key[0]), sample_index=int(key[1]), token_ids=t.tolist(),
                             log_probs=lp.tolist(), finish_reason="stop" if key[2] else "length",
                             routed_experts=experts)
-            for key, t, lp, experts in zip(packed["keys"].tolist(), tokens, log_probs, routes)]
+            for key, t, lp, experts in zip(keys, tokens, log_probs, routes)]
 
 
 def build_rollout(cfg: MppoConfig, *, device: torch.device, dtype: torch.dtype, log_dir: Path) -> Rollout:
@@ -311,7 +347,7 @@ def build_rollout(cfg: MppoConfig, *, device: torch.device, dtype: torch.dtype, 
     spec = EngineSpec(cfg=cfg, layout=layout, tp_group=tp_group, device=device, dtype=dtype, log_dir=log_dir)
     engine = _start_everywhere(lambda: ENGINE_BUILDERS[name](spec), object_group)
     rollout = Rollout(name, engine, layout, free_cache_engine=rollout_cfg.free_cache_engine,
-                      object_group=object_group)
+                      object_group=object_group, group_comm=tp_group)
     if rollout.free_cache_engine:
         engine.release()
     log.info("rollout: %d %s engine(s) of TP %d; this rank: group %d (ranks %s)", len(layout.groups), name,

@@ -9,7 +9,9 @@ running a tool so that whatever it does becomes a tool message, never a crash or
   names, huge literals and deep nesting are parse errors.
 - `run_tool_call`: runs the tool in a forked child process that is killed at `timeout_s` (a tool that hangs or
   loops is cut there, and its memory goes with the child); every exception becomes the tool's text; the text is
-  cut to `max_chars` like veRL's `max_tool_response_length` / `tool_response_truncate_side`.
+  cut to `max_chars` like veRL's `max_tool_response_length` / `tool_response_truncate_side`; the child's address
+  space is capped (RLIMIT_AS) at what it inherits plus `max_memory_mb`, so a tool that allocates without bound gets
+  a MemoryError (an error message) rather than the trainer's memory.
 """
 from __future__ import annotations
 
@@ -93,8 +95,22 @@ def truncate_text(text: str, max_chars: int, side: str = "middle") -> str:
     return text[:half] + "...(truncated)..." + text[-half:]
 
 
-def _child(fn: ToolFn, arguments: dict, conn) -> None:
+def _limit_memory(max_memory_mb: int) -> None:
+    """Cap this (forked) process's address space at what it has now plus `max_memory_mb`: the fork inherits the
+    trainer's whole mapping (torch, the model), so only new allocations count against the budget; one that does
+    not fit raises MemoryError in the tool instead of taking the machine's memory."""
+    import resource
+
+    with open("/proc/self/status") as status:
+        size_kb = next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
+    limit = size_kb * 1024 + (max_memory_mb << 20)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def _child(fn: ToolFn, arguments: dict, conn, max_memory_mb: int | None) -> None:
     try:
+        if max_memory_mb is not None:
+            _limit_memory(max_memory_mb)
         conn.send(str(fn(**arguments)))
     except BaseException as err:  # the child reports everything; the parent decides
         conn.send(f"error: {type(err).__name__}: {str(err)[:200]}")
@@ -103,8 +119,9 @@ def _child(fn: ToolFn, arguments: dict, conn) -> None:
 
 
 def run_tool_call(call: ToolCall, *, timeout_s: float, max_chars: int, truncate_side: str = "middle",
-                  registry: dict[str, ToolFn] | None = None) -> str:
-    """The tool message for `call`: its result, or an error text; never raises, returns within about timeout_s."""
+                  registry: dict[str, ToolFn] | None = None, max_memory_mb: int | None = 1024) -> str:
+    """The tool message for `call`: its result, or an error text; never raises, returns within about timeout_s;
+    the tool may allocate at most `max_memory_mb` MiB beyond what the fork inherits (None: no cap)."""
     registry = TOOL_REGISTRY if registry is None else registry
     if call.error:
         return truncate_text(call.error, max_chars, truncate_side)
@@ -113,7 +130,7 @@ def run_tool_call(call: ToolCall, *, timeout_s: float, max_chars: int, truncate_
         return f"error: unknown tool {call.name[:64]!r}; available: {', '.join(sorted(registry))}"
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child, args=(fn, call.arguments, send), daemon=True)
+    child = ctx.Process(target=_child, args=(fn, call.arguments, send, max_memory_mb), daemon=True)
     child.start()
     send.close()
     try:

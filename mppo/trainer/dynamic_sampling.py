@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mppo")
 
-FILTER_METRICS = ("reward", "seq_reward")  # both: the response's summed score before any KL (veRL 0.9.1 names)
 # Rollout tensors whose second dimension is the (left-padded) prompt plus the response, or the prompt alone.
 _PROMPT_PADDED = ("input_ids", "attention_mask", "position_ids", "prompt_mask")
 

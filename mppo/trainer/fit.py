@@ -31,12 +31,13 @@ from mppo.config.decisions import old_log_prob_pass, old_log_prob_reuse
 from mppo.data.loader import PromptBatch
 from mppo.errors import UserError
 from mppo.parallel import collective_device
+from mppo.rollout.agent_loop import build_agent_loop
 from mppo.rollout.factory import Rollout, build_rollout
 from mppo.trainer import components, faults, remax, response_shaping, rollout_correction
 from mppo.trainer.dynamic_sampling import DynamicSampler
 from mppo.trainer.checkpoint import CheckpointManager
 from mppo.trainer.metrics import (UNREJECTED_MASK, MetricsLogger, StepTimer, compute_data_metrics, perf_metrics,
-                                  plot_metrics)
+                                  plot_metrics, tool_call_metrics)
 from mppo.trainer.model_flops import ppo_step_flops
 from mppo.trainer.parallel_io import ModelParallelIO
 from mppo.trainer.rollout_batch import all_gather_rows, build_rollout_batch, local_rows
@@ -47,7 +48,7 @@ log = logging.getLogger("mppo")
 
 # Tensors gathered over DP so advantages see the whole global batch.
 _ADV_INPUTS = ("token_level_scores", "old_log_probs", "ref_log_prob", "values", "response_mask", "uid",
-               "rollout_log_probs", "reward_baselines", "sum_pi_squared", "responses")
+               "rollout_log_probs", "reward_baselines", "sum_pi_squared", "responses", "num_tool_calls")
 
 
 class NonFiniteUpdatesError(UserError, FloatingPointError):
@@ -79,9 +80,7 @@ class PPOTrainer:
         components.check_device(cfg)
         components.check_models(cfg)
         self.data = components.build_data(cfg)
-        if cfg.actor_rollout_ref.rollout.multi_turn.enable:
-            raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable = true: the agent loop "
-                              "(mppo.rollout.agent_loop) is not wired into the rollout factory yet; set it to false")
+        self.agent = build_agent_loop(cfg, self.data.tokenizer)  # rollout.multi_turn (None: single-turn)
         self.faults = faults.from_env()  # None unless MPPO_FAULT is set (tests)
         self.dims = init_distributed(mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size,
                                      mcfg.virtual_pipeline_model_parallel_size, ep=mcfg.expert_model_parallel_size,
@@ -214,7 +213,7 @@ class PPOTrainer:
         """Rollout of the GLOBAL `prompts` (global indices from `first_index`) over every engine; this DP rank's
         rows are scored on its model-parallel leader and broadcast to the group."""
         prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(prompts.input_ids, prompts.attention_mask)]
-        responses = self.rollout.generate(prompt_ids, sampling, step=step, first_index=first_index)
+        responses = self.rollout.generate(prompt_ids, sampling, step=step, first_index=first_index, agent=self.agent)
         prompts, offset = self.io.dp_slice(prompts)
         n = sampling.n
         responses = responses[offset * n:(offset + len(prompts)) * n]
@@ -341,6 +340,7 @@ class PPOTrainer:
                                        max_prompt_length=self.cfg.data.max_prompt_length)
         metrics.update(timer.metrics())
         metrics.update(response_shaping.overlong_metrics(self.cfg, full))
+        metrics.update(tool_call_metrics(full))
         # the tokens the policy generated (before rollout-correction rejection) are what each pass computes on
         response_tokens = int(full.get(UNREJECTED_MASK, full["response_mask"]).sum().item())
         num_tokens = int(full["prompt_mask"].sum().item()) + response_tokens

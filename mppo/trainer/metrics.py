@@ -59,6 +59,17 @@ def compute_data_metrics(batch: dict[str, torch.Tensor], *, max_response_length:
     return metrics
 
 
+def tool_call_metrics(batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Multi-turn rollouts (rollout.multi_turn): `multi_turn/tool_call_rate` (responses with at least one tool
+    call) and `multi_turn/num_tool_calls/{mean,max}`; nothing for single-turn batches."""
+    calls = batch.get("num_tool_calls")
+    if calls is None or calls.numel() == 0:
+        return {}
+    calls = calls.double()
+    return {"multi_turn/tool_call_rate": (calls > 0).double().mean().item(),
+            "multi_turn/num_tool_calls/mean": calls.mean().item(), "multi_turn/num_tool_calls/max": calls.max().item()}
+
+
 def rollout_mismatch_metrics(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
                              response_mask: torch.Tensor) -> dict[str, float]:
     """veRL 0.9.1's rollout-vs-actor metrics (`verl/utils/debug/metrics.py::calculate_debug_metrics`) over the

@@ -12,6 +12,7 @@ Row r of the batch is sample `r % n` of prompt `r // n` (prompt-major, as engine
     routed_experts [B·n, P+T, MoE layers, top_k] int32, when the engine recorded them (routing replay R3): the
                    experts each MoE layer chose for each token, by input_ids column; columns the engine did not run
                    (padding, the last response token) hold experts 0..k-1
+    num_tool_calls [B·n]       multi-turn responses only (mppo.rollout.agent_loop): tool calls per response
 """
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def build_rollout_batch(prompts: PromptBatch, responses: Sequence[RolloutRespons
         loss_mask = getattr(resp, "loss_mask", None)  # mppo.rollout.agent_loop.AgentResponse
         response_mask[r, :length] = 1.0 if loss_mask is None else torch.tensor(loss_mask, dtype=torch.float32)
         rollout_log_probs[r, :length] = torch.tensor(resp.log_probs, dtype=torch.float32)
+    multi_turn = {}
+    if responses and hasattr(responses[0], "num_tool_calls"):  # agent loop responses
+        multi_turn["num_tool_calls"] = torch.tensor([r.num_tool_calls for r in responses], dtype=torch.int64)
     prompt_ids = prompts.input_ids.repeat_interleave(n, dim=0)
     prompt_mask = prompts.attention_mask.repeat_interleave(n, dim=0)
     attention_mask = torch.cat([prompt_mask, valid], dim=1)
@@ -58,6 +62,7 @@ def build_rollout_batch(prompts: PromptBatch, responses: Sequence[RolloutRespons
         "rollout_log_probs": rollout_log_probs,
         # Group id of each row: the prompt's GLOBAL dataset index (GRPO-style estimators group by it).
         "uid": prompts.indices.repeat_interleave(n),
+        **multi_turn,  # num_tool_calls [B·n]: tool calls of each multi-turn response
     }
     if responses and getattr(responses[0], "routed_experts", None) is not None:  # AgentResponse has none
         batch["routed_experts"] = _routes_by_column(responses, prompt_mask, max_response_length)

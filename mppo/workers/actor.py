@@ -1,6 +1,7 @@
 """The actor: the policy as megatron-core GPTModel chunks (DDP-wrapped), its optimizer and LR schedule.
 
-- `compute_log_prob`: forward-only per-token log-probs (and entropy) of the response tokens.
+- `compute_log_prob` / `compute_log_prob_outputs`: forward-only per-token log-probs (and entropy) of the
+  response tokens.
 - `update`: `ppo_epochs` x mini-batches x micro-batches of PPO through the pipeline schedule, one optimizer
   step per mini-batch. On-policy (one epoch, one mini-batch), the old log-probs can come from the update's own
   forward, detached, instead of a separate `compute_log_prob` pass (veRL's and TRL's on-policy shortcut).
@@ -23,7 +24,6 @@ where veRL averages per-micro-batch means); all are averaged over the optimizer 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
@@ -35,12 +35,11 @@ from mppo.core_algos import (AGG_LOSS_MODES, KL_PENALTY_TYPES, PolicyLossParams,
                               compute_policy_loss_bypass_mode, get_policy_loss_fn, kl_penalty)
 from mppo.models.weights import bucketed, iter_hf_weights
 from mppo.parallel import ParallelDims
-from mppo.workers.base import StepMetrics, build_role_model, mean_metrics, response_forward_step
+from mppo.workers.base import StepMetrics, as_float64, build_role_model, share_of
 from mppo.workers.batching import Batch, validate_batch
 from mppo.workers.logprob import compute_response_outputs, make_logprob_fn, response_logprobs
 from mppo.workers.loss_selection import fused_actor_loss, select_loss_path
-from mppo.workers.moe_losses import MoELossMeter
-from mppo.workers.optim import build_lr_scheduler, build_optimizer, current_lr, wrap_with_ddp
+from mppo.workers.optim import build_lr_scheduler, build_optimizer, wrap_with_ddp
 from mppo.workers.pipeline import broadcast_from_last_stage
 from mppo.workers.training import TrainLoop
 
@@ -128,13 +127,12 @@ class ActorWorker:
 
     # ------------------------------------------------------------------------------------------ inference
     def compute_log_prob(self, batch: Batch, *, temperature: float, micro_batch_size: int | None = None,
-                         max_token_len: int | None = None,
-                         calculate_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(log_probs [B, T] fp32, entropy [B, T] or None) of the response tokens, on every rank; 0 where the
-        response is padding. Micro-batches by count or token budget (default: the actor's update settings)."""
-        outs = self.compute_log_prob_outputs(batch, temperature=temperature, micro_batch_size=micro_batch_size,
-                                             max_token_len=max_token_len, calculate_entropy=calculate_entropy)
-        return outs["log_probs"], outs.get("entropy")
+                         max_token_len: int | None = None) -> torch.Tensor:
+        """Log-probs [B, T] fp32 of the response tokens on every rank (0 where the response is padding), as
+        ReferenceWorker.compute_log_prob returns them; `compute_log_prob_outputs` adds entropy. Micro-batches by
+        count or token budget (default: the actor's update settings)."""
+        return self.compute_log_prob_outputs(batch, temperature=temperature, micro_batch_size=micro_batch_size,
+                                             max_token_len=max_token_len)["log_probs"]
 
     def compute_log_prob_outputs(self, batch: Batch, *, temperature: float, micro_batch_size: int | None = None,
                                  max_token_len: int | None = None, calculate_entropy: bool = False,
@@ -173,31 +171,14 @@ class ActorWorker:
         batch = self.loop.to_device(batch)
         if old_log_prob_from_update:
             batch.pop("old_log_probs", None)  # one source of old log-probs: this update's forward
-        lr = current_lr(self.optimizer)
         record = old_log_prob_from_update or self.bypass
         forward = ForwardLogProbs(batch["response_mask"]) if record else None
-        steps, grad_norms, skipped = [], [], 0
-        moe_losses = MoELossMeter.start(self.model, "actor")
-        for mini in self.loop.mini_batches(batch, self.scheduler.num_steps):
-            metrics, info = StepMetrics(ACTOR_METRICS), mini.info
-            step = response_forward_step(
-                lambda model, data: self._loss_fn(model, data, temperature, info, metrics, record), hidden_only=True)
-            result = self.loop.step(mini.micro_batches, step, metrics, info)
-            if forward is not None:
-                forward.add(mini.rows, result.outputs)
-            steps.append(result.metrics)
-            if result.skipped:
-                skipped += 1
-            else:
-                grad_norms.append(result.grad_norm)
-        self.scheduler.step(1)
+        out = self.loop.update(
+            batch, self.scheduler, metric_keys=ACTOR_METRICS, hidden_only=True,
+            make_loss_fn=lambda model, data, info, metrics: self._loss_fn(model, data, temperature, info, metrics,
+                                                                          record),
+            on_step=(lambda mini, result: forward.add(mini.rows, result.outputs)) if forward is not None else None)
         self.forward_log_probs = forward.on_every_stage(self.dims) if forward is not None else None
-        out: dict[str, float | bool] = dict(mean_metrics(steps))
-        out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
-        out["actor/lr"] = lr
-        out["actor/skipped_optimizer_steps"] = skipped
-        out.update(moe_losses.finish())
-        out["skipped"] = skipped > 0
         return out
 
     def _check_on_policy(self, rows: int) -> None:
@@ -216,13 +197,12 @@ class ActorWorker:
 
         def loss_fn(hidden: torch.Tensor):
             if self.loss_path.fused:  # the gradient-in-forward kernel (mppo.workers.loss_selection)
-                loss, contributions, finite, log_prob = fused_actor_loss(
+                loss, contributions, log_prob = fused_actor_loss(
                     model, hidden, data, cfg, info, params=self.policy_params, temperature=temperature,
                     vocab_size=self.hf_args.vocab_size)
                 for key, value in contributions.items():
                     metrics.add(key, value)
-                if not finite:
-                    metrics.loss_nonfinite = 1.0
+                metrics.check_finite(loss)
                 return loss, ({"log_probs": log_prob} if record_log_probs else {})
             log_prob, entropy = response_logprobs(model, hidden, data, self.logprob_fn, temperature=temperature,
                                                   vocab_size=self.hf_args.vocab_size, compute_entropy=True)
@@ -243,16 +223,15 @@ class ActorWorker:
                 kld = kl_penalty(log_prob, data["ref_log_prob"], cfg.kl_loss_type)
                 kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, **info.as_kwargs())
                 loss = loss + cfg.kl_loss_coef * kl_loss
-                metrics.add("actor/kl_loss", kl_loss.item() / dp)
+                metrics.add("actor/kl_loss", share_of(kl_loss, dp))
             # each micro-batch loss is (its share of the global value) x dp: / dp sums to the global value
-            metrics.add("actor/pg_loss", pg_loss.item() / dp)
-            metrics.add("actor/entropy", entropy_loss.item() / dp)
-            token_share = float(mask.sum()) / info.batch_num_tokens
+            metrics.add("actor/pg_loss", share_of(pg_loss, dp))
+            metrics.add("actor/entropy", share_of(entropy_loss, dp))
+            token_share = share_of(mask.sum(), info.batch_num_tokens)
             for key, value in pg_metrics.items():
                 if key in ACTOR_METRICS:
-                    metrics.add(key, float(value) * token_share)
-            if not bool(torch.isfinite(loss)):
-                metrics.loss_nonfinite = 1.0
+                    metrics.add(key, as_float64(value) * token_share)
+            metrics.check_finite(loss)
             return loss, ({"log_probs": log_prob.detach()} if record_log_probs else {})
 
         return loss_fn

@@ -1,10 +1,9 @@
-"""What the actor, critic and reference workers share: building a role's model from the config, the forward
-step that reads the model's output at the response positions, and metric reduction over ranks."""
+"""What the actor, critic and reference workers share: building a role's model from the config, reading the model's
+output at the response positions, and metric reduction over ranks (the forward step is mppo.workers.pipeline's)."""
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,9 +14,9 @@ from mppo.models.builders import Role, build_gpt_model, unwrap_model
 from mppo.models.hf_config import HFModelArgs, read_hf_config
 from mppo.models.weights import load_hf_weights
 from mppo.parallel import ParallelDims, ParallelLayoutError
+from mppo.workers.batching import Batch
 from mppo.workers.moe_losses import moe_loss_overrides
-from mppo.workers.pipeline import Batch, ForwardStep, LossFn
-from mppo.workers.router_replay import replaying, router_replay_overrides
+from mppo.workers.router_replay import router_replay_overrides
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -75,26 +74,6 @@ def build_role_model(hf_dir: str | Path, dims: ParallelDims, *, role: Role, mode
     return args, chunks, dtype
 
 
-@contextlib.contextmanager
-def _skip_output_layer(model: nn.Module):
-    """A last-stage GPTModel returns its final (normed) hidden states [s, b, h] instead of logits:
-    GPTModel._postprocess returns the decoder output when post_process is False (the final norm still runs)."""
-    core = unwrap_model(model)
-    saved = core.post_process
-    core.post_process = False
-    try:
-        yield
-    finally:
-        core.post_process = saved
-
-
-def stage_forward(model: nn.Module, input_ids: torch.Tensor, *, hidden_only: bool) -> torch.Tensor:
-    """One chunk's forward on a right-padded micro-batch (positions 0..s-1, causal attention)."""
-    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    with _skip_output_layer(model) if hidden_only else contextlib.nullcontext():
-        return model(input_ids, position_ids, None)
-
-
 def response_rows(output: torch.Tensor, data: Batch, valid_only: bool) -> torch.Tensor:
     """The model output [s, b, ...] at the positions that predict the response tokens.
 
@@ -107,19 +86,6 @@ def response_rows(output: torch.Tensor, data: Batch, valid_only: bool) -> torch.
     return output[index, rows]
 
 
-def response_forward_step(make_loss_fn: Callable[[nn.Module, Batch], LossFn], *, hidden_only: bool) -> ForwardStep:
-    """A run_pipeline forward step: every stage runs its chunk; the last stage hands its output to the
-    `make_loss_fn(model, micro_batch)` closure (which reads the response positions with `response_rows`)."""
-
-    def forward_step(model: nn.Module, batch: Batch):
-        last = unwrap_model(model).post_process
-        with replaying(model, batch):  # the rollout's MoE routes, for an actor built to replay them
-            output = stage_forward(model, batch["input_ids"], hidden_only=hidden_only and last)
-        return output, (make_loss_fn(model, batch) if last else None)
-
-    return forward_step
-
-
 def output_weight(model: nn.Module) -> torch.Tensor:
     """This TP rank's shard of the output (LM head) weight of a last-stage chunk."""
     core = unwrap_model(model)
@@ -128,33 +94,59 @@ def output_weight(model: nn.Module) -> torch.Tensor:
     return core.output_layer.weight
 
 
+def share_of(value: torch.Tensor, denominator: int | float) -> torch.Tensor:
+    """value / denominator as a float64 0-dim tensor on value's device, without a host sync.
+
+    The divisor is a device tensor, not a Python number: CUDA divides by a host scalar as a multiply by its
+    reciprocal, which is not bitwise the quotient the host (or the CPU) computes."""
+    value = value.detach().double()
+    return value / torch.full((), denominator, dtype=torch.float64, device=value.device)
+
+
+def as_float64(value: torch.Tensor | float) -> torch.Tensor | float:
+    """A metric value in float64 where it is (a detached device tensor, or the Python float itself)."""
+    return value.detach().double() if isinstance(value, torch.Tensor) else value
+
+
 class StepMetrics:
     """Per-optimizer-step metric sums over micro-batches, reduced over all ranks in one collective.
 
     A worker adds each micro-batch's *contribution* to the global value (e.g. loss / dp, or a token-weighted
     fraction); summing them over micro-batches and DP ranks gives the global mini-batch value. Only the last
     pipeline stage's first TP rank contributes (the others hold copies). A non-finite loss flag rides along.
+    Contributions may be device tensors: they are summed where they are (in float64) and read on the host once,
+    in `reduce`, so a micro-batch costs no host sync (which would stall a GPU pipeline schedule).
     """
 
     def __init__(self, keys: Sequence[str]):
         self.keys = list(keys)
-        self.sums = torch.zeros(len(self.keys), dtype=torch.float64)
-        self.present = torch.zeros(len(self.keys), dtype=torch.float64)
-        self.loss_nonfinite = 0.0
+        self.sums: list[torch.Tensor | float] = [0.0] * len(self.keys)
+        self.present = [0] * len(self.keys)  # known on the host: which keys some micro-batch reported
+        self.nonfinite: list[torch.Tensor] = []  # per micro-batch: 1.0 where its loss was not finite
 
-    def add(self, key: str, contribution: float) -> None:
+    def add(self, key: str, contribution: torch.Tensor | float) -> None:
         i = self.keys.index(key)
-        self.sums[i] += contribution
+        if isinstance(contribution, torch.Tensor):
+            contribution = contribution.detach().double()
+        # the same float64 sums in the same order as on the host: 0.0 + c0 + c1 + ...
+        self.sums[i] = self.sums[i] + contribution
         self.present[i] += 1
+
+    def check_finite(self, loss: torch.Tensor) -> None:
+        """Flag the step as not to be applied if `loss` is not finite (read in `reduce`, no sync here)."""
+        self.nonfinite.append((~torch.isfinite(loss.detach())).any().double())
 
     def reduce(self, *, contributes: bool, device: torch.device) -> tuple[dict[str, float], bool]:
         """(global metrics that some rank reported, whether any loss was not finite) on every rank (collective
-        over the world)."""
+        over the world; the step's one device-to-host read)."""
         n = len(self.keys)
-        vec = torch.zeros(2 * n + 1, dtype=torch.float64)
+        vec = torch.zeros(2 * n + 1, dtype=torch.float64, device=device)
         if contributes:
-            vec[:n], vec[n:2 * n], vec[2 * n] = self.sums, self.present, self.loss_nonfinite
-        vec = vec.to(device)
+            parts = [torch.as_tensor(s, dtype=torch.float64).to(device).reshape(1) for s in self.sums]
+            parts.append(torch.tensor(self.present, dtype=torch.float64).to(device))
+            flags = [f.to(device).reshape(1) for f in self.nonfinite] or [vec.new_zeros(1)]
+            parts.append(torch.cat(flags).sum().reshape(1))
+            vec = torch.cat(parts)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(vec)
         vec = vec.cpu()

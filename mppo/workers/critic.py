@@ -8,21 +8,20 @@ its optimizer and LR schedule.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
+from torch import nn
 
 from mppo.config.schema import CriticConfig, ModelConfig
 from mppo.core_algos import AGG_LOSS_MODES, compute_value_loss, masked_mean
 from mppo.models.weights import bucketed, iter_hf_weights
 from mppo.parallel import ParallelDims
-from mppo.workers.base import StepMetrics, build_role_model, mean_metrics, response_forward_step, response_rows
+from mppo.workers.base import StepMetrics, as_float64, build_role_model, response_rows, share_of
 from mppo.workers.batching import Batch, validate_batch
-from mppo.workers.logprob import micro_batches_for, run_forward_only
-from mppo.workers.moe_losses import MoELossMeter
-from mppo.workers.optim import build_lr_scheduler, build_optimizer, current_lr, wrap_with_ddp
+from mppo.workers.optim import build_lr_scheduler, build_optimizer, wrap_with_ddp
+from mppo.workers.pipeline import micro_batches_for, response_forward_step, run_forward_only
 from mppo.workers.training import TrainLoop
 
 CRITIC_METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
@@ -32,6 +31,26 @@ def _response_values(output: torch.Tensor, data: Batch) -> torch.Tensor:
     """Value-head output [b, s, 1] (GPTModel returns batch-first outputs) -> fp32 values [b, T] at the positions
     before each response token."""
     return response_rows(output.squeeze(-1).float().t(), data, valid_only=False)
+
+
+def compute_response_values(model_chunks: Sequence[nn.Module], batch: Batch, *, micro_batch_size: int | None,
+                            max_token_len: int | None, phase: str = "critic/values") -> torch.Tensor:
+    """Forward-only values [B, T] fp32 of a validated batch's response positions (0 where response_mask is 0), on
+    every rank (`phase`: its name in TOKEN_COUNTER)."""
+    rows = torch.arange(batch["input_ids"].shape[0])
+    micro = micro_batches_for(batch, rows, model_chunks, micro_batch_size=micro_batch_size,
+                              max_token_len=max_token_len)
+
+    def make_loss_fn(model, data):
+        def loss_fn(output):
+            values = _response_values(output, data)
+            return values.sum(), {"values": values}
+        return loss_fn
+
+    with torch.no_grad():
+        outs = run_forward_only(model_chunks, micro, response_forward_step(make_loss_fn, hidden_only=False),
+                                len(rows), phase=phase)
+    return outs["values"] * batch["response_mask"].to(outs["values"].dtype)
 
 
 class CriticWorker:
@@ -69,20 +88,8 @@ class CriticWorker:
         validate_batch(batch)
         batch = self.loop.to_device(batch)
         micro_batch_size, max_token_len = self.loop.micro_batching(micro_batch_size, max_token_len)
-        rows = torch.arange(batch["input_ids"].shape[0])
-        micro = micro_batches_for(batch, rows, self.model, micro_batch_size=micro_batch_size,
-                                  max_token_len=max_token_len)
-
-        def make_loss_fn(model, data):
-            def loss_fn(output):
-                values = _response_values(output, data)
-                return values.sum(), {"values": values}
-            return loss_fn
-
-        with torch.no_grad():
-            outs = run_forward_only(self.model, micro, response_forward_step(make_loss_fn, hidden_only=False),
-                                    len(rows), phase="critic/values")
-        return outs["values"] * batch["response_mask"].to(outs["values"].dtype)
+        return compute_response_values(self.model, batch, micro_batch_size=micro_batch_size,
+                                       max_token_len=max_token_len)
 
     def update(self, batch: Batch) -> dict[str, float | bool]:
         """Value-loss update on this DP rank's shard (needs `values` and `returns`); global metrics on every
@@ -90,26 +97,8 @@ class CriticWorker:
         once."""
         validate_batch(batch, ["values", "returns"])
         batch = self.loop.to_device(batch)
-        lr = current_lr(self.optimizer)
-        steps, grad_norms, skipped = [], [], 0
-        moe_losses = MoELossMeter.start(self.model, "critic")
-        for mini in self.loop.mini_batches(batch, self.scheduler.num_steps):
-            metrics, info = StepMetrics(CRITIC_METRICS), mini.info
-            step = response_forward_step(lambda model, data: self._loss_fn(data, info, metrics), hidden_only=False)
-            result = self.loop.step(mini.micro_batches, step, metrics, info)
-            steps.append(result.metrics)
-            if result.skipped:
-                skipped += 1
-            else:
-                grad_norms.append(result.grad_norm)
-        self.scheduler.step(1)
-        out: dict[str, float | bool] = dict(mean_metrics(steps))
-        out["critic/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
-        out["critic/lr"] = lr
-        out["critic/skipped_optimizer_steps"] = skipped
-        out.update(moe_losses.finish())
-        out["skipped"] = skipped > 0
-        return out
+        return self.loop.update(batch, self.scheduler, metric_keys=CRITIC_METRICS, hidden_only=False,
+                                make_loss_fn=lambda model, data, info, metrics: self._loss_fn(data, info, metrics))
 
     def _loss_fn(self, data, info, metrics: StepMetrics):
         def loss_fn(output: torch.Tensor):
@@ -118,12 +107,11 @@ class CriticWorker:
             vf_loss, vf_clipfrac = compute_value_loss(vpreds, data["returns"], data["values"], mask,
                                                       self.cfg.cliprange_value, self.cfg.loss_agg_mode,
                                                       **info.as_kwargs())
-            token_share = float(mask.sum()) / info.batch_num_tokens
-            metrics.add("critic/vf_loss", vf_loss.item() / info.dp_size)
-            metrics.add("critic/vf_clipfrac", float(vf_clipfrac) * token_share)
-            metrics.add("critic/vpred_mean", float(masked_mean(vpreds.detach(), mask)) * token_share)
-            if not bool(torch.isfinite(vf_loss)):
-                metrics.loss_nonfinite = 1.0
+            token_share = share_of(mask.sum(), info.batch_num_tokens)
+            metrics.add("critic/vf_loss", share_of(vf_loss, info.dp_size))
+            metrics.add("critic/vf_clipfrac", as_float64(vf_clipfrac) * token_share)
+            metrics.add("critic/vpred_mean", as_float64(masked_mean(vpreds.detach(), mask)) * token_share)
+            metrics.check_finite(vf_loss)
             return vf_loss, {}
         return loss_fn
 

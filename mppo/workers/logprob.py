@@ -4,7 +4,7 @@ Two implementations of hidden states -> log p(token), selected by `actor.logprob
 - "fused": `mppo.kernels.fused_linear_logprob_entropy`, which never holds the [tokens x vocab] logits
   (backend from `actor.kernel_backend`);
 - "naive": megatron's vocab-parallel cross entropy on full fp32 logits
-  (`mppo.workers.pipeline.vocab_parallel_logprob_entropy`).
+  (`vocab_parallel_logprob_entropy`).
 Both run only on the valid response positions, with logits divided by the temperature (as the rollout does).
 
 The optimal-token-baseline estimators also need `sum_pi_squared` = sum over the vocabulary of p^2 per token
@@ -13,15 +13,16 @@ torch from the same hidden states, in row chunks (no [tokens x vocab] tensor of 
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mppo.models.vocab import mask_padded_logits, valid_vocab_size_per_rank
-from mppo.workers.base import output_weight, response_forward_step, response_rows
-from mppo.workers.batching import TOKEN_COUNTER, Batch, MicroBatch, make_micro_batches, pad_to_uniform, scatter_rows
-from mppo.workers.pipeline import needs_uniform_shapes, run_pipeline, vocab_parallel_logprob_entropy
+from mppo.workers.base import output_weight, response_rows
+from mppo.workers.batching import Batch
+from mppo.workers.pipeline import micro_batches_for, response_forward_step, run_forward_only
 
 # (hidden [N, h], weight shard [V_local, h], labels [N], temperature, valid vocab, compute_entropy)
 #   -> (log_probs [N] fp32, entropy [N] fp32 or None)
@@ -52,6 +53,41 @@ def make_logprob_fn(impl: str, kernel_backend: str = "auto") -> TokenLogProbFn:
                 valid_vocab_size=valid_vocab_size, compute_entropy=compute_entropy, backend=kernel_backend)
         return fused
     raise ValueError(f"actor.logprob_impl must be one of {LOGPROB_IMPLS}, got {impl!r}")
+
+
+def vocab_parallel_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                                   temperature: float, tp_group: Any = None,
+                                   valid_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(label) and the entropy of softmax(hidden @ weight.T / temperature) over the TP-split vocabulary.
+
+    Differentiable. Uses megatron's `vocab_parallel_cross_entropy` (which works on megatron's TP group) and
+    its autograd-aware TP collectives, and materialises this rank's [N, V_local] logits in fp32. With bf16
+    weights the product is taken in fp32 too (as the fused kernel does): a bf16 matmul would round every logit to
+    8 significant bits before the softmax.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    group = ps.get_tensor_model_parallel_group()
+    if tp_group is not None and tp_group is not group:
+        raise ValueError("vocab_parallel_logprob_entropy runs on megatron's tensor-parallel group only")
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    local_valid = valid_vocab_size_per_rank(valid_vocab_size, weight.shape[0] * tp, tp_rank, tp)
+    # Each rank sees only its vocab slice: the gradient w.r.t. the replicated hidden states is a sum over ranks.
+    hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+    logits = torch.matmul(hidden.float(), weight.float().t()) / temperature
+    logits = mask_padded_logits(logits, local_valid)
+    # vocab_parallel_cross_entropy overwrites fp32 logits in place: give it its own copy.
+    log_probs = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), labels)
+
+    local_max = logits.detach().max(dim=-1, keepdim=True).values
+    dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - local_max
+    exp = shifted.exp()
+    sum_exp = tensor_parallel.reduce_from_tensor_model_parallel_region(exp.sum(dim=-1))
+    sum_exp_z = tensor_parallel.reduce_from_tensor_model_parallel_region((exp * shifted).sum(dim=-1))
+    entropy = sum_exp.log() - sum_exp_z / sum_exp
+    return log_probs, entropy
 
 
 def response_logprobs(model: nn.Module, hidden: torch.Tensor, data: Batch, logprob_fn: TokenLogProbFn, *,
@@ -104,51 +140,6 @@ def vocab_parallel_sum_pi_squared(hidden: torch.Tensor, weight: torch.Tensor, *,
                 torch.distributed.all_reduce(sums, group=group)
             out.append(sums[1] / (sums[0] * sums[0]))
     return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
-
-
-def micro_batches_for(batch: Batch, rows: torch.Tensor, model_chunks: Sequence[nn.Module], *,
-                      micro_batch_size: int | None, max_token_len: int | None) -> list[MicroBatch]:
-    """Micro-batches of `rows`, a multiple of PP of them for the interleaved schedule."""
-    vpp = len(model_chunks) > 1
-    pp = model_chunks[0].config.pipeline_model_parallel_size
-    return make_micro_batches(batch, rows, micro_batch_size=micro_batch_size, max_token_len=max_token_len,
-                              multiple_of=pp if vpp else 1)
-
-
-def pipeline_inputs(model_chunks: Sequence[nn.Module], micro_batches: Sequence[MicroBatch], *,
-                    phase: str) -> list[Batch]:
-    """Micro-batch data as the schedule takes it (one shape for the interleaved schedule); their real and
-    processed tokens are added to TOKEN_COUNTER under `phase`."""
-    if needs_uniform_shapes(model_chunks):
-        inputs = pad_to_uniform(micro_batches)
-    else:
-        inputs = [mb.data for mb in micro_batches]
-    for mb, data in zip(micro_batches, inputs):
-        TOKEN_COUNTER.add(phase, mb.real_tokens, data["input_ids"].numel())
-    return inputs
-
-
-def run_forward_only(model_chunks: Sequence[nn.Module], micro_batches: Sequence[MicroBatch], step,
-                     num_rows: int, *, phase: str) -> dict[str, torch.Tensor]:
-    """Forward-only pipeline over micro-batches; every [b, T] output reassembled in batch row order on every
-    rank. `phase` names it in TOKEN_COUNTER."""
-    outs = run_pipeline(model_chunks, pipeline_inputs(model_chunks, micro_batches, phase=phase), step,
-                        forward_only=True)
-    keys = outs[0].keys()
-    return {k: scatter_rows([(mb.rows, o[k][:len(mb.rows)]) for mb, o in zip(micro_batches, outs)], num_rows)
-            for k in keys}
-
-
-def compute_response_logprobs(model_chunks: Sequence[nn.Module], batch: Batch, logprob_fn: TokenLogProbFn, *,
-                              vocab_size: int, temperature: float, micro_batch_size: int | None,
-                              max_token_len: int | None, calculate_entropy: bool,
-                              phase: str = "log_prob") -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Forward-only log-probs [B, T] (and entropy) of a validated batch, on every rank (`phase`: its name in
-    TOKEN_COUNTER)."""
-    outs = compute_response_outputs(model_chunks, batch, logprob_fn, vocab_size=vocab_size, temperature=temperature,
-                                    micro_batch_size=micro_batch_size, max_token_len=max_token_len,
-                                    calculate_entropy=calculate_entropy, phase=phase)
-    return outs["log_probs"], outs.get("entropy")
 
 
 def compute_response_outputs(model_chunks: Sequence[nn.Module], batch: Batch, logprob_fn: TokenLogProbFn, *,

@@ -13,7 +13,6 @@ always use the log-prob op.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +20,7 @@ from torch import nn
 
 from mppo.config.schema import ActorConfig
 from mppo.core_algos import GlobalBatchInfo, PolicyLossParams, agg_token_weights
-from mppo.workers.base import output_weight, response_rows
+from mppo.workers.base import output_weight, response_rows, share_of
 from mppo.workers.batching import Batch
 
 # Policy losses the fused kernel implements (their per-token closed forms: mppo/kernels/ppo_token_loss.py).
@@ -59,11 +58,11 @@ def select_loss_path(cfg: ActorConfig, *, rollout_correction_bypass: bool = Fals
 
 def fused_actor_loss(model: nn.Module, hidden: torch.Tensor, data: Batch, cfg: ActorConfig, info: GlobalBatchInfo,
                      *, params: PolicyLossParams, temperature: float, vocab_size: int
-                     ) -> tuple[torch.Tensor, dict[str, float], bool, torch.Tensor]:
-    """(loss, metric contributions, loss is finite, detached log-probs [b, T]) of one micro-batch from the last
-    stage's hidden states [s, b, h], as ActorWorker's reference loss function computes them: the loss is this
-    micro-batch's share of the global mini-batch loss × dp, each metric contribution is its share of the global
-    value (StepMetrics), and the log-probs are 0 where the response mask is."""
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """(loss, metric contributions, detached log-probs [b, T]) of one micro-batch from the last stage's hidden
+    states [s, b, h], as ActorWorker's reference loss function computes them: the loss is this micro-batch's
+    share of the global mini-batch loss × dp, each metric contribution is its share of the global value
+    (StepMetrics; float64 device scalars, no host sync), and the log-probs are 0 where the response mask is."""
     from megatron.core import parallel_state as ps
 
     from mppo.kernels import PPOTokenLoss, fused_linear_ppo_loss
@@ -86,16 +85,17 @@ def fused_actor_loss(model: nn.Module, hidden: torch.Tensor, data: Batch, cfg: A
                                 data["responses"][valid], spec, temperature=temperature,
                                 tp_group=ps.get_tensor_model_parallel_group(), valid_vocab_size=vocab_size,
                                 backend=cfg.kernel_backend)
-    # one device sync for every number the step reports
-    values = torch.cat([out.stats, out.loss.detach().reshape(1), mask.sum().reshape(1).to(out.stats)]).tolist()
-    pg_loss, entropy_loss, kl_loss, clipfrac, ppo_kl, clipfrac_lower, loss_value, tokens_here = values
+    # every number stays on the device (StepMetrics reads them once per optimizer step); fp32 stats -> float64
+    # exactly as the host's float() does
+    stats = out.stats.detach().double()
+    pg_loss, entropy_loss, kl_loss, clipfrac, ppo_kl, clipfrac_lower = (stats[i] for i in range(6))
     dp = info.dp_size
-    token_share = tokens_here / info.batch_num_tokens
-    contributions = {"actor/pg_loss": pg_loss / dp, "actor/entropy": entropy_loss / dp,
+    token_share = share_of(mask.sum().to(out.stats), info.batch_num_tokens)
+    contributions = {"actor/pg_loss": share_of(pg_loss, dp), "actor/entropy": share_of(entropy_loss, dp),
                      "actor/pg_clipfrac": clipfrac * token_share, "actor/ppo_kl": ppo_kl * token_share,
                      "actor/pg_clipfrac_lower": clipfrac_lower * token_share}
     if cfg.use_kl_loss:
-        contributions["actor/kl_loss"] = kl_loss / dp
+        contributions["actor/kl_loss"] = share_of(kl_loss, dp)
     log_probs = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     log_probs[valid] = out.log_probs.detach().float()
-    return out.loss, contributions, math.isfinite(loss_value), log_probs
+    return out.loss, contributions, log_probs

@@ -9,7 +9,7 @@ one forward-backward-step over micro-batches.
   optimizer's checkpoint needs), gradients accumulate and reduce in fp32 (`grad_reduce_in_fp32`), and the
   optimizer keeps fp32 main params and Adam moments (`OptimizerConfig.bf16`), steps those, and copies them back
   rounded to bf16; checkpoints carry the fp32 main params, so a resume is bit-identical. Log-probs, entropies and
-  losses are computed in fp32 from the bf16 hidden states (mppo.kernels, pipeline.vocab_parallel_logprob_entropy).
+  losses are computed in fp32 from the bf16 hidden states (mppo.kernels, logprob.vocab_parallel_logprob_entropy).
 - `build_lr_scheduler`: megatron's `OptimizerParamScheduler` (linear warm-up from 0, then constant or cosine
   decay to `min_lr_ratio * lr`); state_dict'able. The workers step it once per `update()` call (one PPO step),
   as veRL does, so `total_steps` is the trainer's number of PPO steps.

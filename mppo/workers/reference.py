@@ -16,7 +16,7 @@ from mppo.config.schema import ModelConfig, RefConfig
 from mppo.parallel import ParallelDims
 from mppo.workers.base import build_role_model
 from mppo.workers.batching import Batch, validate_batch
-from mppo.workers.logprob import compute_response_logprobs, make_logprob_fn
+from mppo.workers.logprob import compute_response_outputs, make_logprob_fn
 
 
 class ReferenceWorker:
@@ -72,8 +72,6 @@ class ReferenceWorker:
                                  "micro_batch_size / max_token_len")
         batch = {k: v.to(self.dims.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
         with torch.no_grad(), self._on_device():
-            log_probs, _ = compute_response_logprobs(
+            return compute_response_outputs(
                 self.model, batch, self.logprob_fn, vocab_size=self.hf_args.vocab_size, temperature=temperature,
-                micro_batch_size=micro_batch_size, max_token_len=max_token_len, calculate_entropy=False,
-                phase="ref/log_prob")
-        return log_probs
+                micro_batch_size=micro_batch_size, max_token_len=max_token_len, phase="ref/log_prob")["log_probs"]

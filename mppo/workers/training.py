@@ -1,10 +1,14 @@
 """The loop the actor and critic updates share: epochs x mini-batches x micro-batches, one optimizer step per
-mini-batch, with the global batch facts of each mini-batch and a NaN/inf guard that skips the step."""
+mini-batch, with the global batch facts of each mini-batch and a NaN/inf guard that skips the step.
+
+A role's update is `TrainLoop.update(batch, scheduler, make_loss_fn=..., metric_keys=...)`: the role supplies
+only its loss (a `MakeLossFn`); the loop owns the mini-batches, the skip handling, grad norm, LR and the
+scheduler step, and returns the role's metrics under its prefix (`actor/...`, `critic/...`)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -12,11 +16,15 @@ from torch import nn
 
 from mppo.core_algos import GlobalBatchInfo
 from mppo.parallel import ParallelDims
-from mppo.workers.base import StepMetrics
+from mppo.workers.base import StepMetrics, mean_metrics
 from mppo.workers.batching import Batch, BatchError, global_batch_info, mini_batch_rows
-from mppo.workers.logprob import micro_batches_for, pipeline_inputs
-from mppo.workers.optim import forward_backward, optimizer_step
-from mppo.workers.pipeline import ForwardStep
+from mppo.workers.moe_losses import MoELossMeter
+from mppo.workers.optim import current_lr, forward_backward, optimizer_step
+from mppo.workers.pipeline import ForwardStep, LossFn, micro_batches_for, pipeline_inputs, response_forward_step
+
+# (model chunk, micro-batch, the mini-batch's global facts, the step's metrics) -> the last stage's loss_fn, which
+# adds the micro-batch's metric contributions to the StepMetrics
+MakeLossFn = Callable[[nn.Module, Batch, GlobalBatchInfo, StepMetrics], LossFn]
 
 
 @dataclass
@@ -123,3 +131,38 @@ class TrainLoop:
             return StepResult(values, math.nan, True, outputs)
         applied, grad_norm = optimizer_step(self.optimizer)
         return StepResult(values, grad_norm if applied else math.nan, not applied, outputs)
+
+    def update(self, batch: Batch, scheduler, *, make_loss_fn: MakeLossFn, metric_keys: Sequence[str],
+               hidden_only: bool, on_step: Callable[[MiniBatch, StepResult], None] | None = None
+               ) -> dict[str, float | bool]:
+        """One update of the role over a device batch: every mini-batch's forward-backward and optimizer step,
+        then one LR schedule step. Returns the global metrics (the same on every rank): the mean over optimizer
+        steps of `metric_keys`, and `{role}/grad_norm` (mean over applied steps), `{role}/lr` (the LR the steps
+        used), `{role}/skipped_optimizer_steps` and `skipped` (a mini-batch whose loss or gradients were not
+        finite was not applied), and `{role}/moe_aux_loss`, `{role}/moe_z_loss` for a MoE model with those losses
+        on (mppo.workers.moe_losses; read once per update). `hidden_only`: the last stage hands its final hidden
+        states to the loss instead of its output layer's; `on_step(mini_batch, result)` sees each step (e.g. to
+        collect its outputs)."""
+        lr = current_lr(self.optimizer)
+        steps, grad_norms, skipped = [], [], 0
+        moe_losses = MoELossMeter.start(self.model, self.role)
+        for mini in self.mini_batches(batch, scheduler.num_steps):
+            metrics, info = StepMetrics(metric_keys), mini.info
+            step = response_forward_step(lambda model, data: make_loss_fn(model, data, info, metrics),
+                                         hidden_only=hidden_only)
+            result = self.step(mini.micro_batches, step, metrics, info)
+            if on_step is not None:
+                on_step(mini, result)
+            steps.append(result.metrics)
+            if result.skipped:
+                skipped += 1
+            else:
+                grad_norms.append(result.grad_norm)
+        scheduler.step(1)
+        out: dict[str, float | bool] = dict(mean_metrics(steps))
+        out[f"{self.role}/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
+        out[f"{self.role}/lr"] = lr
+        out[f"{self.role}/skipped_optimizer_steps"] = skipped
+        out.update(moe_losses.finish())  # {role}/moe_aux_loss, {role}/moe_z_loss when the model has them on
+        out["skipped"] = skipped > 0
+        return out

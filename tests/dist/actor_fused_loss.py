@@ -9,17 +9,14 @@ layout and case: the path each actor took, max |weight difference| after the upd
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # + dist_util
+from dist_util import rank_main  # noqa: E402
 from models_fixtures import load_hf_model, make_hf_model  # noqa: E402
 from workers_fixtures import TEMPERATURE, dp_shard, hf_response_logprobs, make_batch, max_state_diff  # noqa: E402
 
@@ -103,22 +100,7 @@ def run(work: Path, res: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    opts = parser.parse_args()
-    rank = int(os.environ["RANK"])
-    res: dict = {}
-    from mppo.parallel import destroy, init_distributed
-
-    init_distributed(1, 1)  # the process group; layouts are rebuilt per case
-    destroy()
-    try:
-        run(opts.out / "work", res)
-    except Exception:
-        res["crash"] = traceback.format_exc()
-        raise
-    finally:
-        (opts.out / f"rank{rank}.json").write_text(json.dumps(res, indent=1, default=str))
+    rank_main(lambda opts, res: run(opts.out / "work", res))
 
 
 if __name__ == "__main__":

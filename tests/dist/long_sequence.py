@@ -64,7 +64,7 @@ def main() -> None:
 
     base = _rss()
     start = time.process_time()
-    log_probs, _ = actor.compute_log_prob(batch, temperature=1.0)
+    log_probs = actor.compute_log_prob(batch, temperature=1.0)
     res["log_prob_cpu_s"] = time.process_time() - start
     res["log_prob_extra_bytes"] = _peak_rss() - base
     batch["old_log_probs"] = log_probs

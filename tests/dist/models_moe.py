@@ -8,20 +8,20 @@ independent of the code under test: HF transformers' forward and autograd, the o
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # + dist_util
+from dist_util import rank_main  # noqa: E402
 from models_fixtures import QWEN3_MODELS, load_hf_model, make_hf_model, save_tiny_tokenizer  # noqa: E402
 from models_parallel import (TEMPERATURE, compare_hf_dirs, hf_reference, max_diff, micro_batches,  # noqa: E402
                              run_logits)
+from next_token import next_token_loss_step, token_logprobs  # noqa: E402
 
 # (tp, pp, ep) on 4 ranks; EP is taken from the data-parallel ranks
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2), (1, 1, 4)]
@@ -45,25 +45,12 @@ def models_for(layout) -> list[str]:
 def moe_grad_diff(chunks, batches, args, hf) -> float:
     """Relative error of d(sum of log-probs)/d(router weight, expert 3's down projection) of the first MoE layer on
     this rank against HF autograd: the gradient through the router and the all-to-all dispatch."""
-    from mppo.workers.pipeline import logprob_forward_step, needs_uniform_shapes, pad_micro_batches, run_pipeline
+    from mppo.workers.pipeline import run_pipeline
 
-    if needs_uniform_shapes(chunks):
-        batches = pad_micro_batches(batches)
-    base = logprob_forward_step(vocab_size=args.vocab_size, temperature=TEMPERATURE)
-
-    def step(model, batch):
-        out, loss_fn = base(model, batch)
-        if loss_fn is None:
-            return out, None
-
-        def loss(hidden):
-            _, o = loss_fn(hidden)
-            return o["log_probs"].sum(), o
-        return out, loss
-
+    inputs, step = next_token_loss_step(chunks, batches, vocab_size=args.vocab_size, temperature=TEMPERATURE)
     for c in chunks:
         c.zero_grad(set_to_none=True)
-    run_pipeline(chunks, batches, step, forward_only=False)
+    run_pipeline(chunks, inputs, step, forward_only=False)
     hf.zero_grad(set_to_none=True)
     total = 0.0
     for mb in batches:
@@ -101,7 +88,6 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
     from mppo.models.hf_config import read_hf_config
     from mppo.models.weights import bucketed, iter_hf_weights, load_hf_weights
     from mppo.parallel import ParallelLayoutError, destroy, init_distributed
-    from mppo.workers.pipeline import compute_token_logprobs
     from safetensors.torch import load_file
 
     if rank == 0:
@@ -144,7 +130,7 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
             res[f"{key}/{name}/logits"] = max_diff(outs, refs[name], "logits")
             if layout == (1, 1, 1):
                 tp1_logits[name] = outs
-            lp = compute_token_logprobs(chunks, batches[name], vocab_size=args.vocab_size, temperature=TEMPERATURE)
+            lp = token_logprobs(chunks, batches[name], vocab_size=args.vocab_size, temperature=TEMPERATURE)
             res[f"{key}/{name}/log_probs"] = max_diff(lp, refs[name], "log_probs")
             res[f"{key}/{name}/entropy"] = max_diff(lp, refs[name], "entropy")
             if name == "qwen3_moe" and tp == 1:
@@ -295,23 +281,7 @@ def convert_cases(work, res, rank, batches, refs, tp1_logits) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    opts = parser.parse_args()
-    work = opts.out / "work"
-    rank = int(os.environ["RANK"])
-    res: dict = {}
-    from mppo.parallel import destroy, init_distributed
-
-    init_distributed(1, 1)  # the process group; layouts are rebuilt per case
-    destroy()
-    try:
-        run_cases(work, res, rank)
-    except Exception:
-        res["crash"] = traceback.format_exc()
-        raise
-    finally:
-        (opts.out / f"rank{rank}.json").write_text(json.dumps(res, indent=1))
+    rank_main(lambda opts, res: run_cases(opts.out / "work", res, int(os.environ["RANK"])))
 
 
 if __name__ == "__main__":

@@ -7,18 +7,19 @@ transformers' forward, naive log-softmax/entropy, the original safetensors files
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # + dist_util
+from dist_util import rank_main  # noqa: E402
 from models_fixtures import MODELS, load_hf_model, make_hf_model, save_tiny_tokenizer  # noqa: E402
+from next_token import (next_token_loss_step, token_logits, token_logprobs, token_values,  # noqa: E402
+                        unpadded_micro_batches)
 
 LAYOUTS = [(2, 2, None), (2, 1, None), (1, 2, None), (1, 1, None), (1, 2, 2)]  # (tp, pp, vpp)
 # Models also built with megatron's local spec (DotProductAttention) at every layout: GQA with and without rope
@@ -65,34 +66,9 @@ def max_diff(outs: list[dict], refs: list[dict], key: str) -> float:
     return max((o[key].float() - r[key].float()).abs().max().item() for o, r in zip(outs, refs))
 
 
-def logits_forward_step(vocab: int):
-    """A caller-supplied forward_step for run_pipeline: full (TP-gathered, unpadded) logits."""
-    from megatron.core import tensor_parallel
-
-    def step(model, batch):
-        ids = batch["input_ids"]
-        out = model(ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), None)
-        if not model.post_process:
-            return out, None
-
-        def loss_fn(logits):
-            full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)[..., :vocab]
-            return logits.sum() * 0.0, {"logits": full}
-
-        return out, loss_fn
-
-    return step
-
-
 def run_logits(chunks, batches, vocab: int) -> list[dict]:
-    """Logits per micro-batch through run_pipeline, padding for (and trimming after) interleaved schedules."""
-    from mppo.workers.pipeline import needs_uniform_shapes, pad_micro_batches, run_pipeline
-
-    if not needs_uniform_shapes(chunks):
-        return run_pipeline(chunks, batches, logits_forward_step(vocab))
-    outs = run_pipeline(chunks, pad_micro_batches(batches), logits_forward_step(vocab))
-    return [{"logits": o["logits"][:mb["input_ids"].shape[0], :mb["input_ids"].shape[1]]}
-            for mb, o in zip(batches, outs)]
+    """Logits per micro-batch through the workers' forward path (tests/dist/next_token.py)."""
+    return token_logits(chunks, batches, vocab)
 
 
 def core_attention_name(chunks) -> str:
@@ -112,7 +88,7 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
     from mppo.models.hf_config import read_hf_config
     from mppo.models.weights import bucketed, iter_hf_weights, load_hf_weights, save_hf_checkpoint
     from mppo.parallel import ParallelLayoutError, destroy, init_distributed
-    from mppo.workers.pipeline import compute_token_logprobs, compute_values, run_pipeline
+    from mppo.workers.pipeline import run_pipeline
     from safetensors.torch import load_file
 
     if rank == 0:
@@ -161,7 +137,7 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
             res[f"{key}/logits"] = max_diff(outs, refs[name], "logits")
             if (tp, pp, vpp) == (1, 1, None):
                 tp1_logits[name] = outs
-            lp = compute_token_logprobs(chunks, batches[name], vocab_size=args.vocab_size, temperature=TEMPERATURE)
+            lp = token_logprobs(chunks, batches[name], vocab_size=args.vocab_size, temperature=TEMPERATURE)
             res[f"{key}/log_probs"] = max_diff(lp, refs[name], "log_probs")
             res[f"{key}/entropy"] = max_diff(lp, refs[name], "entropy")
             if name in LOCAL_REFERENCE_MODELS:  # megatron's own attention, the reference the SDPA spec replaces
@@ -171,8 +147,8 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
                 local_outs = run_logits(local, batches[name], args.vocab_size)
                 res[f"{key}/local/logits"] = max_diff(local_outs, refs[name], "logits")
                 res[f"{key}/local/logits_vs_sdpa"] = max_diff(local_outs, outs, "logits")
-                local_lp = compute_token_logprobs(local, batches[name], vocab_size=args.vocab_size,
-                                                  temperature=TEMPERATURE)
+                local_lp = token_logprobs(local, batches[name], vocab_size=args.vocab_size,
+                                          temperature=TEMPERATURE)
                 res[f"{key}/local/log_probs"] = max_diff(local_lp, refs[name], "log_probs")
                 del local
 
@@ -193,7 +169,9 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
 
             if vpp and name == "qwen2_tied":
                 try:
-                    run_pipeline(chunks, batches[name], logits_forward_step(args.vocab_size))
+                    _, step = next_token_loss_step(chunks, batches[name], vocab_size=args.vocab_size,
+                                                   temperature=TEMPERATURE)
+                    run_pipeline(chunks, unpadded_micro_batches(chunks, batches[name]), step)
                     res[f"{key}/uneven_shapes_error"] = "no error"
                 except ValueError as err:
                     res[f"{key}/uneven_shapes_error"] = str(err)
@@ -211,7 +189,7 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
                     with torch.no_grad():
                         head.weight.copy_(heads[name][0])
                         head.bias.copy_(heads[name][1])
-                vals = compute_values(critic, batches[name])
+                vals = token_values(critic, batches[name])
                 res[f"{key}/values"] = max_diff(vals, refs[name], "values")
                 if (tp, pp) == (2, 2) and name == "qwen2_untied":  # critic -> HF (score.*) -> critic
                     res[f"{key}/critic_roundtrip"] = critic_roundtrip(critic, args, dims, batches[name], vals, work,
@@ -220,7 +198,7 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
                 if (tp, pp) == (1, 1) and name == "qwen2_untied":  # the TP2 x PP2 critic checkpoint at TP1
                     again = build_gpt_model(args, dims, role="critic")
                     load_model_checkpoint(again, work / "critic_ckpt")
-                    res[f"{key}/critic_ckpt_values"] = max_diff(compute_values(again, batches[name]), refs[name],
+                    res[f"{key}/critic_ckpt_values"] = max_diff(token_values(again, batches[name]), refs[name],
                                                                 "values")
         destroy()
 
@@ -232,7 +210,6 @@ def critic_roundtrip(critic, args, dims, batches, vals, work, head) -> str:
     """Export a critic (HF token-classification names: model.* + score.weight/bias) and load it back."""
     from mppo.models.builders import build_gpt_model
     from mppo.models.weights import iter_hf_weights, load_hf_weights, save_hf_checkpoint
-    from mppo.workers.pipeline import compute_values
 
     exported = dict(iter_hf_weights(critic, args))
     if "lm_head.weight" in exported or not torch.equal(exported["score.weight"], head[0]) \
@@ -241,35 +218,22 @@ def critic_roundtrip(critic, args, dims, batches, vals, work, head) -> str:
     save_hf_checkpoint(iter_hf_weights(critic, args), work / "critic_hf", args)
     again = build_gpt_model(args, dims, role="critic")
     load_hf_weights(again, work / "critic_hf", args)
-    vals2 = compute_values(again, batches)
+    vals2 = token_values(again, batches)
     same = all(torch.equal(a["values"], b["values"]) for a, b in zip(vals, vals2))
     return "ok" if same else "values differ after reloading the exported critic"
 
 
 def final_norm_grad_diff(chunks, batches, args, hf) -> float:
-    """Forward-backward through the schedule vs HF autograd: grads of the final and first norm weights for
-    loss = sum(log_probs) + 0.1 * sum(entropy) over non-last columns (tests the loss scaling and the
-    differentiable vocab-parallel log-prob/entropy)."""
-    from mppo.workers.pipeline import logprob_forward_step, needs_uniform_shapes, pad_micro_batches, run_pipeline
+    """Forward-backward through the schedule (the workers' forward step) vs HF autograd: grads of the final and
+    first norm weights for loss = sum(log_probs) + 0.1 * sum(entropy) over non-last columns (tests the loss
+    scaling and the differentiable vocab-parallel log-prob/entropy)."""
+    from mppo.workers.pipeline import run_pipeline
 
-    if needs_uniform_shapes(chunks):
-        batches = pad_micro_batches(batches)
-    base = logprob_forward_step(vocab_size=args.vocab_size, temperature=TEMPERATURE)
-
-    def step(model, batch):
-        out, loss_fn = base(model, batch)
-        if loss_fn is None:
-            return out, None
-
-        def loss(hidden):
-            _, o = loss_fn(hidden)
-            return o["log_probs"].sum() + 0.1 * o["entropy"].sum(), o
-        return out, loss
-
-    # run_pipeline detaches outputs, so recompute the loss pieces through loss_fn (above) for autograd
+    inputs, step = next_token_loss_step(chunks, batches, vocab_size=args.vocab_size, temperature=TEMPERATURE,
+                                        entropy_coeff=0.1)
     for c in chunks:
         c.zero_grad(set_to_none=True)
-    run_pipeline(chunks, batches, step, forward_only=False)
+    run_pipeline(chunks, inputs, step, forward_only=False)
     last = [c for c in chunks if c.post_process]
     hf.zero_grad(set_to_none=True)
     total = 0.0
@@ -301,7 +265,6 @@ def convert_cases(work, res, rank, hf_models, batches, refs, tp1_logits) -> None
     from mppo.models.checkpoint import checkpoint_hf_dir, load_model_checkpoint
     from mppo.models.hf_config import read_hf_config
     from mppo.parallel import destroy, init_distributed
-    from mppo.workers.pipeline import run_pipeline
 
     for name in ("qwen2_untied", "llama_tied"):
         ckpt, back = work / f"ckpt_{name}", work / f"back_{name}"
@@ -414,23 +377,7 @@ def compare_hf_dirs(src: Path, dst: Path, expect_index: bool = True) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    opts = parser.parse_args()
-    work = opts.out / "work"
-    rank = int(os.environ["RANK"])
-    res: dict = {}
-    from mppo.parallel import init_distributed, destroy
-
-    init_distributed(1, 1)  # the process group; layouts are rebuilt per case
-    destroy()
-    try:
-        run_cases(work, res, rank)
-    except Exception:
-        res["crash"] = traceback.format_exc()
-        raise
-    finally:
-        (opts.out / f"rank{rank}.json").write_text(json.dumps(res, indent=1))
+    rank_main(lambda opts, res: run_cases(opts.out / "work", res, int(os.environ["RANK"])))
 
 
 if __name__ == "__main__":

@@ -16,18 +16,16 @@ zero gradients. Rank R writes out/rank{R}.json; tests/test_moe_router.py asserts
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import traceback
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # + dist_util
+from dist_util import rank_main  # noqa: E402
 from models_fixtures import load_hf_model, make_hf_model  # noqa: E402
 from models_parallel import micro_batches  # noqa: E402
 
@@ -180,7 +178,7 @@ def replay_case(work: Path, hf, args, layout, res: dict, key: str) -> None:
     from mppo.models.weights import load_hf_weights
     from mppo.parallel import destroy, init_distributed
     from mppo.workers.batching import validate_batch
-    from mppo.workers.logprob import compute_response_logprobs, make_logprob_fn
+    from mppo.workers.logprob import compute_response_outputs, make_logprob_fn
     from mppo.workers.router_replay import ReplayError, router_replay_overrides
 
     tp, pp, ep = layout
@@ -197,14 +195,14 @@ def replay_case(work: Path, hf, args, layout, res: dict, key: str) -> None:
     mask = batch["response_mask"].bool()
     logprob_fn = make_logprob_fn("naive")
     with torch.no_grad():
-        replayed, _ = compute_response_logprobs(chunks, batch, logprob_fn, vocab_size=args.vocab_size,
-                                                temperature=TEMPERATURE, micro_batch_size=3, max_token_len=None,
-                                                calculate_entropy=False)
+        replayed = compute_response_outputs(chunks, batch, logprob_fn, vocab_size=args.vocab_size,
+                                            temperature=TEMPERATURE, micro_batch_size=3,
+                                            max_token_len=None)["log_probs"]
         hf_free = hf_response_logprobs(hf, batch)[0]
         try:  # a replaying actor given no routes stops instead of routing by itself
-            compute_response_logprobs(chunks, {k2: v for k2, v in batch.items() if k2 != "routed_experts"},
-                                      logprob_fn, vocab_size=args.vocab_size, temperature=TEMPERATURE,
-                                      micro_batch_size=3, max_token_len=None, calculate_entropy=False)
+            compute_response_outputs(chunks, {k2: v for k2, v in batch.items() if k2 != "routed_experts"},
+                                     logprob_fn, vocab_size=args.vocab_size, temperature=TEMPERATURE,
+                                     micro_batch_size=3, max_token_len=None)
             res[f"{key}/no_routes_error"] = "no error"
         except ReplayError as err:
             res[f"{key}/no_routes_error"] = str(err)
@@ -214,35 +212,25 @@ def replay_case(work: Path, hf, args, layout, res: dict, key: str) -> None:
     destroy()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    opts = parser.parse_args()
-    work = opts.out / "work"
-    rank = int(os.environ["RANK"])
-    res: dict = {}
+def run_all(opts, res: dict) -> None:
     from mppo.models.hf_config import read_hf_config
-    from mppo.parallel import destroy, init_distributed
 
-    init_distributed(1, 1)
-    destroy()
-    try:
-        if rank == 0:
-            make_hf_model(MODEL, work / MODEL, seed=7)
-        dist.barrier()
-        hf = load_hf_model(work / MODEL)
-        args = read_hf_config(work / MODEL)
-        for name, layout in LAYOUTS.items():
-            for cname, coeffs in COEFFS.items():
-                if name not in LOSS_LAYOUTS or (name != "dp2" and cname == "aux_only"):
-                    continue
-                run_case(work, hf, args, layout, coeffs, res, f"{name}/{cname}")
-            replay_case(work, hf, args, layout, res, f"{name}/replay")
-    except Exception:
-        res["crash"] = traceback.format_exc()
-        raise
-    finally:
-        (opts.out / f"rank{rank}.json").write_text(json.dumps(res, indent=1))
+    work = opts.out / "work"
+    if int(os.environ["RANK"]) == 0:
+        make_hf_model(MODEL, work / MODEL, seed=7)
+    dist.barrier()
+    hf = load_hf_model(work / MODEL)
+    args = read_hf_config(work / MODEL)
+    for name, layout in LAYOUTS.items():
+        for cname, coeffs in COEFFS.items():
+            if name not in LOSS_LAYOUTS or (name != "dp2" and cname == "aux_only"):
+                continue
+            run_case(work, hf, args, layout, coeffs, res, f"{name}/{cname}")
+        replay_case(work, hf, args, layout, res, f"{name}/replay")
+
+
+def main() -> None:
+    rank_main(run_all)
 
 
 if __name__ == "__main__":

@@ -8,17 +8,15 @@ out/rank{R}.json: {case: value}; tests/test_real_model.py asserts on them.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # + dist_util
+from dist_util import rank_main  # noqa: E402
 from models_parallel import compare_hf_dirs  # noqa: E402
 
 QUESTIONS = ["What is 7 * 8? Answer with a number.", "Write one sentence about the sea.",
@@ -93,31 +91,21 @@ def run_layout(hf_dir: Path, work: Path, tp: int, pp: int, res: dict, rank: int,
     destroy()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--hf", type=Path, required=True, help="the converted SmolLM2 HF directory")
-    parser.add_argument("--layout", action="append", required=True, help="TPxPP, e.g. 3x1 (repeatable)")
-    opts = parser.parse_args()
-    rank = int(os.environ["RANK"])
-    work = opts.out / "work"
-    res: dict = {}
-    from mppo.parallel import destroy, init_distributed
+def run_layouts(opts, res: dict) -> None:
+    batch = chat_batch(opts.hf)
+    want = hf_response_log_probs(opts.hf, batch)
+    for layout in opts.layout:
+        tp, pp = (int(x) for x in layout.split("x"))
+        run_layout(opts.hf, opts.out / "work", tp, pp, res, int(os.environ["RANK"]), batch, want)
+        dist.barrier()
 
-    init_distributed(1, 1)  # the process group; layouts are rebuilt per case
-    destroy()
-    try:
-        batch = chat_batch(opts.hf)
-        want = hf_response_log_probs(opts.hf, batch)
-        for layout in opts.layout:
-            tp, pp = (int(x) for x in layout.split("x"))
-            run_layout(opts.hf, work, tp, pp, res, rank, batch, want)
-            dist.barrier()
-    except Exception:
-        res["crash"] = traceback.format_exc()
-        raise
-    finally:
-        (opts.out / f"rank{rank}.json").write_text(json.dumps(res, indent=1))
+
+def main() -> None:
+    def arguments(parser):
+        parser.add_argument("--hf", type=Path, required=True, help="the converted SmolLM2 HF directory")
+        parser.add_argument("--layout", action="append", required=True, help="TPxPP, e.g. 3x1 (repeatable)")
+
+    rank_main(run_layouts, add_arguments=arguments)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,16 @@ Writes out/rank0.json.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: dist_util
+from dist_util import rank_main  # noqa: E402
 
 from trainer_onpolicy import build, close  # same directory: one way to build and tear down a trainer
 
@@ -56,18 +59,11 @@ def hf_token_stats(batch, model, temperature: float) -> tuple[torch.Tensor, torc
     return token_logp, logp.exp().pow(2).sum(-1)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--config", required=True)
-    p.add_argument("--overrides", required=True, help="JSON list of the base overrides")
-    p.add_argument("--only", nargs="*", help="these estimators only (profiling)")
-    args = p.parse_args()
+def run(args, result: dict) -> None:
     logging.basicConfig(level=logging.WARNING)
     from mppo.core_algos import ADV_ESTIMATOR_REGISTRY
 
     base = json.loads(args.overrides)
-    result: dict[str, dict] = {}
     for name in args.only or sorted(ADV_ESTIMATOR_REGISTRY):
         start = time.perf_counter()
         trainer = build(args.config, base + [f"algorithm.adv_estimator={name}"])
@@ -108,7 +104,15 @@ def main() -> None:
             case["sum_pi_squared_range"] = [float(sum_p2[mask].min()), float(sum_p2[mask].max())]
         result[name] = case
         close(trainer)
-    (args.out / "rank0.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    def arguments(p):
+        p.add_argument("--config", required=True)
+        p.add_argument("--overrides", required=True, help="JSON list of the base overrides")
+        p.add_argument("--only", nargs="*", help="these estimators only (profiling)")
+
+    rank_main(run, add_arguments=arguments, process_group=False)
 
 
 if __name__ == "__main__":

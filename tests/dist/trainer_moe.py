@@ -12,13 +12,16 @@ its reference case (`weights_diff`: max |a - b| over every HF tensor).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: dist_util
+from dist_util import rank_main  # noqa: E402
 
 
 def build(config: str, overrides: list[str]):
@@ -75,15 +78,8 @@ def fit(config: str, overrides: list[str]) -> dict:
     return {"resumed_from": resumed_from}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--config", required=True)
-    p.add_argument("--cases", required=True, help='JSON {name: ["step" | "step_engine_routers_perturbed" | "fit", overrides, '
-                                                   'reference case | null]}')
-    args = p.parse_args()
+def run(args, result: dict) -> None:
     logging.basicConfig(level=logging.WARNING)
-    result: dict[str, dict] = {}
     weights: dict[str, dict[str, torch.Tensor]] = {}
     for name, (kind, overrides, reference) in json.loads(args.cases).items():
         if kind == "fit":
@@ -95,9 +91,15 @@ def main() -> None:
             ref = weights[reference]
             assert sorted(ref) == sorted(weights[name])
             result[name]["weights_diff"] = max((weights[name][k] - ref[k]).abs().max().item() for k in ref)
-    rank = torch.distributed.get_rank()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    def arguments(p):
+        p.add_argument("--config", required=True)
+        p.add_argument("--cases", required=True, help='JSON {name: ["step" | "step_engine_routers_perturbed" | "fit", '
+                                                       'overrides, reference case | null]}')
+
+    rank_main(run, add_arguments=arguments, process_group=False)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,16 @@ its first train_step, then tears the layout down for the next case. Rank R write
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: dist_util
+from dist_util import rank_main  # noqa: E402
 
 
 def build(config: str, overrides: list[str]):
@@ -42,15 +45,9 @@ def actor_weights(trainer) -> list[torch.Tensor]:
     return [p.detach().clone() for chunk in trainer.actor.model for p in chunk.parameters()]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--config", required=True)
-    p.add_argument("--overrides", required=True, help="JSON list of the base overrides")
-    args = p.parse_args()
+def run(args, result: dict) -> None:
     logging.basicConfig(level=logging.WARNING)
     base = json.loads(args.overrides)
-    result: dict[str, dict] = {}
 
     weights = {}
     for name, extra in (("reuse", ["actor_rollout_ref.actor.reuse_on_policy_log_prob=true"]),
@@ -84,9 +81,13 @@ def main() -> None:
             result[name]["actor_refused"] = str(err)
         close(trainer)
 
-    rank = torch.distributed.get_rank()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+
+def main() -> None:
+    def arguments(p):
+        p.add_argument("--config", required=True)
+        p.add_argument("--overrides", required=True, help="JSON list of the base overrides")
+
+    rank_main(run, add_arguments=arguments, process_group=False)
 
 
 if __name__ == "__main__":

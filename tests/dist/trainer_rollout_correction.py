@@ -9,14 +9,17 @@ the updated actor weights from those of the uncorrected perturbed case (None for
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: dist_util
+from dist_util import rank_main  # noqa: E402
 
 CAPTURED = ("response_mask", "advantages", "old_log_probs", "rollout_log_probs", "rollout_is_weights")
 
@@ -41,7 +44,7 @@ def run_case(config: str, overrides: list[str], engine_temperature: float | None
     def recording_update(batch, **kwargs):
         captured.update({k: batch[k].detach().cpu().tolist() for k in CAPTURED if k in batch})
         if trainer.rollout_corr.bypass:  # what the update's first forward sees (same weights, no grad)
-            log_probs, _ = trainer.actor.compute_log_prob(batch, temperature=kwargs["temperature"])
+            log_probs = trainer.actor.compute_log_prob(batch, temperature=kwargs["temperature"])
             captured["actor_log_probs"] = log_probs.cpu().tolist()
         return update(batch, **kwargs)
 
@@ -57,17 +60,9 @@ def run_case(config: str, overrides: list[str], engine_temperature: float | None
     return result, weights
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--config", required=True)
-    p.add_argument("--overrides", required=True, help="JSON list of the base overrides")
-    p.add_argument("--cases", required=True, help="JSON {name: [overrides, perturbed (bool)]}")
-    p.add_argument("--engine-temperature", type=float, required=True)
-    args = p.parse_args()
+def run(args, result: dict) -> None:
     logging.basicConfig(level=logging.WARNING)
     base = json.loads(args.overrides)
-    result: dict[str, dict] = {}
     weights = {}
     for name, (extra, perturbed) in json.loads(args.cases).items():
         result[name], weights[name] = run_case(args.config, base + extra,
@@ -78,9 +73,16 @@ def main() -> None:
         result[name]["weights_diff_to_plain"] = (max((a - b).abs().max().item()
                                                      for a, b in zip(weights[name], reference))
                                                  if same_layout else None)
-    rank = torch.distributed.get_rank()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    def arguments(p):
+        p.add_argument("--config", required=True)
+        p.add_argument("--overrides", required=True, help="JSON list of the base overrides")
+        p.add_argument("--cases", required=True, help="JSON {name: [overrides, perturbed (bool)]}")
+        p.add_argument("--engine-temperature", type=float, required=True)
+
+    rank_main(run, add_arguments=arguments, process_group=False)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,16 @@ trainer DP2. Each runs `fit()` for 3 steps. Checked along the way, and written t
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: dist_util
+from dist_util import rank_main  # noqa: E402
 
 
 def load(config: str, overrides: list[str]):
@@ -131,12 +134,7 @@ def offload_round_trip(trainer) -> dict:
             "grads_zero": all(bool((g == 0).all()) for g in grads) and len(grads) > 0}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--config", required=True)
-    p.add_argument("--cases", required=True, help="JSON {name: overrides} of the trainers, run in this order")
-    args = p.parse_args()
+def run(args, result: dict) -> None:
     logging.basicConfig(level=logging.WARNING)
     from mppo.parallel import destroy, init_distributed
     from mppo.rollout import SamplingParams
@@ -148,7 +146,7 @@ def main() -> None:
     init_distributed(1, 1)
     rollout = build_rollout(first, device=torch.device("cpu"), dtype=torch.float32, log_dir=args.out / "sglang")
     destroy()
-    result: dict[str, dict] = {"engines": len(rollout.layout.groups), "group": list(rollout.layout.ranks)}
+    result.update({"engines": len(rollout.layout.groups), "group": list(rollout.layout.ranks)})
     for name, overrides in cases.items():
         cfg = load(args.config, overrides)
         trainer = PPOTrainer(cfg, rollout=rollout)
@@ -172,9 +170,14 @@ def main() -> None:
         result[name] = case
         close(trainer)
     rollout.shutdown()
-    rank = torch.distributed.get_rank()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    def arguments(p):
+        p.add_argument("--config", required=True)
+        p.add_argument("--cases", required=True, help="JSON {name: overrides} of the trainers, run in this order")
+
+    rank_main(run, add_arguments=arguments, process_group=False)
 
 
 if __name__ == "__main__":

@@ -2,25 +2,24 @@
 
 One launch runs every case and writes out/rank{R}.json; tests/test_weight_sync.py asserts on them. References are
 independent of the code under test: the HF checkpoint's safetensors files (weights), the megatron actor's own
-forward through compute_token_logprobs (log-probs), and the rollouts of other layouts (seeding).
+forward through the workers' log-prob path (tests/dist/next_token.py), and the rollouts of other layouts (seeding).
 
 In every layout the engine lives on the first rank of each DP group's model-parallel group (tp_rank 0, pp_rank 0);
 that engine generates its DP slice of the global prompt list. Global rank 0 also generates the WHOLE list (DP1).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # + dist_util
+from dist_util import rank_main  # noqa: E402
 from models_fixtures import make_hf_model  # noqa: E402
+from next_token import token_logprobs  # noqa: E402
 
 LAYOUTS = [(2, 2), (2, 1), (1, 2), (1, 1)]  # (tp, pp); DP = 4 / (tp * pp)
 BUCKET_BYTES = 30_000  # several buckets for the tiny models (a layer's MLP weight alone is ~25 kB)
@@ -63,9 +62,7 @@ def bitwise_report(engine, hf_dir: Path) -> str:
 
 def actor_logprob_diff(chunks, args, rows: list[list], prompts: list[list[int]], temperature: float) -> float:
     """max |engine rollout log-prob - actor log-prob| over every response token of `rows` (right-padded rows,
-    column t of compute_token_logprobs is token t+1)."""
-    from mppo.workers.pipeline import compute_token_logprobs
-
+    column t of the log-probs is token t+1)."""
     seqs = [(prompts[p], tokens, lps) for p, _, tokens, lps, _ in rows]
     micro = []
     for i in range(0, len(seqs), 4):
@@ -75,7 +72,7 @@ def actor_logprob_diff(chunks, args, rows: list[list], prompts: list[list[int]],
         for j, (p, t, _) in enumerate(part):
             ids[j, :len(p) + len(t)] = torch.tensor(p + t)
         micro.append({"input_ids": ids})
-    outs = compute_token_logprobs(chunks, micro, vocab_size=args.vocab_size, temperature=temperature)
+    outs = token_logprobs(chunks, micro, vocab_size=args.vocab_size, temperature=temperature, micro_batch_size=4)
     worst = 0.0
     for i, out in enumerate(outs):
         for j, (p, t, lps) in enumerate(seqs[i * 4:(i + 1) * 4]):
@@ -330,30 +327,19 @@ def staging_lifecycle(hf_dir: Path, res: dict, key: str, chunks, args, opts_out:
             shutil.rmtree(shm_dir, ignore_errors=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    opts = parser.parse_args()
+def run_layouts(opts, res: dict) -> None:
     work = opts.out / "work"
-    rank = int(os.environ["RANK"])
-    torch.set_num_threads(1)  # the CPU engine is batch-invariant (DP splits bitwise equal) single-threaded
-    res: dict = {}
-    from mppo.parallel import destroy, init_distributed
+    if dist.get_rank() == 0:
+        make_hf_model("qwen2_untied", work / "qwen2_untied", seed=0)
+        make_hf_model("qwen2_tied", work / "qwen2_tied", seed=1)
+    dist.barrier()
+    for tp, pp in LAYOUTS:
+        run_layout(work, res, tp, pp)
 
-    init_distributed(1, 1)  # the process group; layouts are rebuilt per case
-    destroy()
-    try:
-        if rank == 0:
-            make_hf_model("qwen2_untied", work / "qwen2_untied", seed=0)
-            make_hf_model("qwen2_tied", work / "qwen2_tied", seed=1)
-        dist.barrier()
-        for tp, pp in LAYOUTS:
-            run_layout(work, res, tp, pp)
-    except Exception:
-        res["crash"] = traceback.format_exc()
-        raise
-    finally:
-        (opts.out / f"rank{rank}.json").write_text(json.dumps(res))
+
+def main() -> None:
+    torch.set_num_threads(1)  # the CPU engine is batch-invariant (DP splits bitwise equal) single-threaded
+    rank_main(run_layouts)
 
 
 if __name__ == "__main__":

@@ -5,16 +5,11 @@ then `--mode load` on 1 rank (load, step 2, compare with the recorded weights). 
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
-import traceback
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # + dist_util
+from dist_util import rank_main  # noqa: E402
 from models_fixtures import make_hf_model  # noqa: E402
 from workers_fixtures import TEMPERATURE, dp_shard, make_batch, max_state_diff  # noqa: E402
 
@@ -59,19 +54,8 @@ def run(mode: str, work: Path, res: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--mode", choices=["save", "load"], required=True)
-    opts = parser.parse_args()
-    rank = int(os.environ["RANK"])
-    res: dict = {}
-    try:
-        run(opts.mode, opts.out / "work", res)
-    except Exception:
-        res["crash"] = traceback.format_exc()
-        raise
-    finally:
-        (opts.out / f"rank{rank}.json").write_text(json.dumps(res, indent=1))
+    rank_main(lambda opts, res: run(opts.mode, opts.out / "work", res), process_group=False,
+              add_arguments=lambda parser: parser.add_argument("--mode", choices=["save", "load"], required=True))
 
 
 if __name__ == "__main__":

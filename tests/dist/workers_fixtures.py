@@ -2,6 +2,7 @@
 for the worker tests. Nothing here uses mppo.workers: the references are independent of the code under test."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -142,3 +143,33 @@ def max_state_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -
 def mean_steps(steps: list[dict[str, float]]) -> dict[str, float]:
     keys = steps[0].keys()
     return {k: sum(s[k] for s in steps) / len(steps) for k in keys}
+
+
+HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+
+@contextlib.contextmanager
+def count_host_reads(counts: dict[str, int]):
+    """Count the tensor -> host reads (.item(), .tolist(), float/int/bool of a tensor) made in the block: each is
+    a device sync on a GPU."""
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    depth = [0]  # a torch function mode (mppo.parallel.cpu_compat) calls the method again: count the outer call
+
+    def counted(name, fn):
+        def wrapper(self, *args, **kwargs):
+            if depth[0] == 0:
+                counts[name] = counts.get(name, 0) + 1
+            depth[0] += 1
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return wrapper
+
+    for name, fn in saved.items():
+        setattr(torch.Tensor, name, counted(name, fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)

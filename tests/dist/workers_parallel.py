@@ -6,23 +6,21 @@ log-probs, torch.optim.AdamW (tests/dist/workers_fixtures.py), and runs of the w
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
 import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # + dist_util
+from dist_util import rank_main  # noqa: E402
 from models_fixtures import load_hf_model, make_hf_model  # noqa: E402
-from workers_fixtures import (TEMPERATURE, add_value_head, dp_shard, hf_response_logprobs, hf_values,  # noqa: E402
-                              make_batch, max_state_diff, mean_steps, reference_actor_updates,
-                              reference_critic_updates)
+from workers_fixtures import (TEMPERATURE, add_value_head, count_host_reads, dp_shard,  # noqa: E402
+                              hf_response_logprobs, hf_values, make_batch, max_state_diff, mean_steps,
+                              reference_actor_updates, reference_critic_updates)
 
 # (tp, pp, vpp, logprob_impl, use_dynamic_bsz): every layout of 4 ranks, both log-prob paths, both batchings
 ACTOR_LAYOUTS = [(2, 2, None, "fused", False), (1, 1, None, "naive", False), (2, 1, None, "fused", True),
@@ -109,15 +107,16 @@ class Cases:
             hf_lp = self.hf_lp[dims.dp_rank::dims.dp]
             actor = ActorWorker(ModelConfig(), actor_config(tp, pp, vpp, impl=impl, dynamic=dynamic), dims,
                                 self.work / "actor", total_steps=4)
-            lp, ent = actor.compute_log_prob(shard, temperature=TEMPERATURE, calculate_entropy=True)
+            outs = actor.compute_log_prob_outputs(shard, temperature=TEMPERATURE, calculate_entropy=True)
+            lp, ent = outs["log_probs"], outs["entropy"]
             self.res[f"{key}/log_probs_vs_hf"] = (lp - hf_lp).abs().max().item()
             self.res[f"{key}/entropy_vs_hf"] = (ent - self.hf_ent[dims.dp_rank::dims.dp]).abs().max().item()
             if key == "tp2pp2":
-                by_tokens, _ = actor.compute_log_prob(shard, temperature=TEMPERATURE, max_token_len=26)
+                by_tokens = actor.compute_log_prob(shard, temperature=TEMPERATURE, max_token_len=26)
                 self.res[f"{key}/token_budget_vs_count"] = (by_tokens - lp).abs().max().item()
                 naive = ActorWorker(ModelConfig(), actor_config(tp, pp, vpp, impl="naive"), dims,
                                     self.work / "actor", total_steps=4)
-                nlp, _ = naive.compute_log_prob(shard, temperature=TEMPERATURE, micro_batch_size=3)
+                nlp = naive.compute_log_prob(shard, temperature=TEMPERATURE, micro_batch_size=3)
                 self.res[f"{key}/naive_vs_fused"] = (nlp - lp).abs().max().item()
                 ref = ReferenceWorker(ModelConfig(), RefConfig(log_prob_micro_batch_size_per_gpu=2), dims,
                                       self.work / "actor", logprob_impl="fused", kernel_backend="torch")
@@ -246,7 +245,7 @@ class Cases:
             actor = ActorWorker(ModelConfig(dtype=dtype), actor_config(2, 1, None, mini=8), dims,
                                 self.work / "actor", total_steps=4)
             before = exported(actor)
-            lp, _ = actor.compute_log_prob(shard, temperature=TEMPERATURE)
+            lp = actor.compute_log_prob(shard, temperature=TEMPERATURE)
             metrics = actor.update(shard, temperature=TEMPERATURE)  # one mini-batch: one optimizer step
             after = exported(actor)
             runs[dtype] = {"lp": lp, "metrics": metrics, "delta": {k: after[k].float() - before[k].float()
@@ -256,10 +255,10 @@ class Cases:
                 self.res["bf16/export_dtypes"] = sorted({str(t.dtype) for t in before.values()})
                 naive = ActorWorker(ModelConfig(dtype=dtype), actor_config(2, 1, None, impl="naive", mini=8), dims,
                                     self.work / "actor", total_steps=4)
-                fused_lp, _ = ActorWorker(ModelConfig(dtype=dtype), actor_config(2, 1, None, mini=8), dims,
-                                          self.work / "actor", total_steps=4).compute_log_prob(
-                                              shard, temperature=TEMPERATURE)
-                naive_lp, _ = naive.compute_log_prob(shard, temperature=TEMPERATURE)
+                fused_lp = ActorWorker(ModelConfig(dtype=dtype), actor_config(2, 1, None, mini=8), dims,
+                                       self.work / "actor", total_steps=4).compute_log_prob(
+                                           shard, temperature=TEMPERATURE)
+                naive_lp = naive.compute_log_prob(shard, temperature=TEMPERATURE)
                 self.res["bf16/naive_vs_fused_log_probs"] = (naive_lp - fused_lp).abs().max().item()
         f32, b16 = runs["fp32"], runs["bf16"]
         self.res["bf16/log_probs_vs_fp32"] = (b16["lp"] - f32["lp"]).abs().max().item()
@@ -331,6 +330,48 @@ class Cases:
             self.res[f"{key}/values_after"] = critic.compute_values(self.batch).tolist()
             destroy()
 
+    def host_reads(self) -> None:
+        """Tensor -> host reads (device syncs on a GPU) inside each micro-batch's loss function of an update: the
+        metrics accumulate on the device and are read once per optimizer step (StepMetrics.reduce)."""
+        from mppo.config.schema import CriticConfig, MegatronConfig, ModelConfig, OptimConfig
+        from mppo.parallel import destroy, init_distributed
+        from mppo.workers.actor import ActorWorker
+        from mppo.workers.critic import CriticWorker
+
+        def counting(make_loss_fn, reads: list[int]):
+            def make(*args, **kwargs):
+                loss_fn = make_loss_fn(*args, **kwargs)
+
+                def counted(output):
+                    counts: dict[str, int] = {}
+                    with count_host_reads(counts):
+                        result = loss_fn(output)
+                    reads.append(sum(counts.values()))
+                    return result
+                return counted
+            return make
+
+        dims = init_distributed(1, 1, seed=1234)
+        shard = dp_shard(self.batch, dims.dp, dims.dp_rank)
+        for impl in ("fused", "naive"):
+            actor = ActorWorker(ModelConfig(), actor_config(1, 1, None, impl=impl), dims, self.work / "actor",
+                                total_steps=4)
+            reads: list[int] = []
+            actor._loss_fn = counting(actor._loss_fn, reads)
+            actor.update(shard, temperature=TEMPERATURE)
+            self.res[f"host_reads/actor_{impl}"] = reads
+        cfg = CriticConfig(ppo_mini_batch_size=MINI, ppo_micro_batch_size_per_gpu=1, use_dynamic_bsz=False,
+                           ppo_epochs=1, cliprange_value=CLIPRANGE_VALUE, loss_agg_mode="token-mean",
+                           optim=OptimConfig(lr=OPTIM["lr"], eps=OPTIM["eps"], clip_grad=OPTIM["clip_grad"]),
+                           megatron=MegatronConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                                   seed=0))
+        critic = CriticWorker(ModelConfig(), cfg, dims, self.work / "critic", total_steps=4)
+        reads = []
+        critic._loss_fn = counting(critic._loss_fn, reads)
+        critic.update(shard)
+        self.res["host_reads/critic"] = reads
+        destroy()
+
     # ---------------------------------------------------------------------------------------- checkpoints
     def checkpoints(self) -> None:
         from mppo.config.schema import ModelConfig
@@ -367,7 +408,7 @@ class Cases:
             save_worker_checkpoint(actor, path, extra_state={"step": 1, "data": [3, 4]})
             saved_weights = exported(actor)
             draw = rng_draw()
-            lp1, _ = actor.compute_log_prob(full, temperature=TEMPERATURE)
+            lp1 = actor.compute_log_prob(full, temperature=TEMPERATURE)
             m2 = actor.update(full, temperature=TEMPERATURE)
             if dtype == "fp32":
                 ckpts[dist_opt] = (path, exported(actor), m2, saved_weights, lp1)
@@ -407,7 +448,7 @@ class Cases:
         self.res["ckpt/rng_layout_error"] = errors(lambda: load_worker_checkpoint(actor, ckpts[True][0],
                                                                                    load_optimizer=False))
         load_worker_checkpoint(actor, ckpts[True][0], load_optimizer=False, load_rng=False)
-        lp, _ = actor.compute_log_prob(full, temperature=TEMPERATURE)
+        lp = actor.compute_log_prob(full, temperature=TEMPERATURE)
         self.res["ckpt/tp1_log_probs_vs_tp2pp2"] = (lp - ckpts[True][4]).abs().max().item()
         self.res["ckpt/tp1_weights_bitwise"] = max_state_diff(exported(actor), ckpts[True][3]) == 0.0
 
@@ -426,28 +467,16 @@ class Cases:
         destroy()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    opts = parser.parse_args()
-    work = opts.out / "work"
-    rank = int(os.environ["RANK"])
-    res: dict = {}
-    from mppo.parallel import destroy, init_distributed
+def run_cases(opts, res: dict) -> None:
+    cases = Cases(opts.out / "work", res, int(os.environ["RANK"]))
+    cases.setup()
+    for case in (cases.actor_layouts, cases.global_normalisation, cases.tied_embeddings, cases.nan_skip,
+                 cases.bf16_training, cases.critic, cases.host_reads, cases.checkpoints):
+        case()
 
-    init_distributed(1, 1)  # the process group; layouts are rebuilt per case
-    destroy()
-    cases = Cases(work, res, rank)
-    try:
-        cases.setup()
-        for case in (cases.actor_layouts, cases.global_normalisation, cases.tied_embeddings, cases.nan_skip,
-                     cases.bf16_training, cases.critic, cases.checkpoints):
-            case()
-    except Exception:
-        res["crash"] = traceback.format_exc()
-        raise
-    finally:
-        (opts.out / f"rank{rank}.json").write_text(json.dumps(res, indent=1, default=str))
+
+def main() -> None:
+    rank_main(run_cases)
 
 
 if __name__ == "__main__":

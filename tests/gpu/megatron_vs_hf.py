@@ -11,17 +11,16 @@ import json
 import traceback
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
 
-from mppo.kernels import fused_linear_logprob_entropy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dist"))
 from models_fixtures import make_hf_model  # noqa: E402
 from models_parallel import (TEMPERATURE, final_norm_grad_diff, hf_reference, max_diff, micro_batches,  # noqa: E402
                              run_logits)
+from next_token import next_token_loss_step, token_logprobs  # noqa: E402
 
 
 IMPLS = ("local", "sdpa")  # local first: the SDPA results are compared with it
@@ -53,7 +52,6 @@ def parity_cases(work: Path, dims, res: dict) -> None:
     from mppo.models.builders import build_gpt_model
     from mppo.models.hf_config import read_hf_config
     from mppo.models.weights import iter_hf_weights, load_hf_weights
-    from mppo.workers.pipeline import compute_token_logprobs
 
     for name in ("qwen2_untied", "llama_tied"):
         hf = make_hf_model(name, work / name).to(DEVICE)
@@ -73,11 +71,11 @@ def parity_cases(work: Path, dims, res: dict) -> None:
                 local_logits_by_dtype[dtype] = logits
             else:  # the SDPA spec against megatron's own attention, same weights and dtype
                 res[f"{tag}/logits_vs_local"] = max_diff(logits, local_logits_by_dtype[dtype], "logits")
-            lp = compute_token_logprobs(chunks, batches, vocab_size=args.vocab_size, temperature=TEMPERATURE)
+            lp = token_logprobs(chunks, batches, vocab_size=args.vocab_size, temperature=TEMPERATURE)
             res[f"{tag}/log_probs"] = max_diff(lp, refs, "log_probs")
             res[f"{tag}/entropy"] = max_diff(lp, refs, "entropy")
-            fused = compute_token_logprobs(chunks, batches, vocab_size=args.vocab_size, temperature=TEMPERATURE,
-                                           logprob_fn=partial(fused_linear_logprob_entropy, backend="triton"))
+            fused = token_logprobs(chunks, batches, vocab_size=args.vocab_size, temperature=TEMPERATURE,
+                                   impl="fused", kernel_backend="triton")
             res[f"{tag}/triton_log_probs"] = max_diff(fused, refs, "log_probs")
             res[f"{tag}/triton_entropy"] = max_diff(fused, refs, "entropy")
             if dtype == torch.float32:
@@ -99,7 +97,6 @@ def moe_parity_cases(work: Path, dims, res: dict) -> None:
     from mppo.models.builders import build_gpt_model
     from mppo.models.hf_config import read_hf_config
     from mppo.models.weights import iter_hf_weights, load_hf_weights
-    from mppo.workers.pipeline import compute_token_logprobs
 
     name = "qwen3_moe"
     hf = make_hf_model(name, work / name).to(DEVICE)
@@ -113,7 +110,7 @@ def moe_parity_cases(work: Path, dims, res: dict) -> None:
         load_hf_weights(chunks, work / name, args)
         res[f"{tag}/param_device"] = str(next(chunks[0].parameters()).device)
         res[f"{tag}/logits"] = max_diff(run_logits(chunks, batches, args.vocab_size), refs, "logits")
-        lp = compute_token_logprobs(chunks, batches, vocab_size=args.vocab_size, temperature=TEMPERATURE)
+        lp = token_logprobs(chunks, batches, vocab_size=args.vocab_size, temperature=TEMPERATURE)
         res[f"{tag}/log_probs"] = max_diff(lp, refs, "log_probs")
         if dtype == torch.float32:
             exported = dict(iter_hf_weights(chunks, args))
@@ -171,7 +168,7 @@ def update_throughput(dims, res: dict) -> None:
     measured matmul peak, for the SDPA spec and megatron's local spec (unfused attention, [heads, s, s] scores)."""
     from mppo.models.builders import build_gpt_model
     from mppo.models.hf_config import read_hf_config
-    from mppo.workers.pipeline import logprob_forward_step, run_pipeline
+    from mppo.workers.pipeline import run_pipeline
 
     cuda = DEVICE.type == "cuda"
     shapes, seq_len = (SHAPES, SEQ_LEN) if cuda else (DRY_RUN_SHAPES, DRY_RUN_SEQ_LEN)
@@ -183,22 +180,25 @@ def update_throughput(dims, res: dict) -> None:
         g = torch.Generator().manual_seed(0)
         batches = to_device([{"input_ids": torch.randint(0, args.vocab_size, (1, seq_len), generator=g)}
                              for _ in range(4)])
-        step = logprob_forward_step(vocab_size=args.vocab_size, logprob_fn=partial(
-            fused_linear_logprob_entropy, backend="triton" if cuda else "torch"))
         for impl in ("sdpa", "local"):
             key = f"update/{shape}/{impl}"
             try:
                 chunks = build_gpt_model(args, dims, role="actor", dtype=torch.bfloat16, transformer_impl=impl)
                 params = sum(p.numel() for p in chunks[0].parameters())
+                # the workers' forward step and fused log-prob kernel, one sequence per micro-batch (entropy too,
+                # as the actor's loss computes it)
+                inputs, step = next_token_loss_step(chunks, batches, vocab_size=args.vocab_size, temperature=1.0,
+                                                    entropy_coeff=0.0, impl="fused",
+                                                    kernel_backend="triton" if cuda else "torch", micro_batch_size=1)
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
                 for _ in range(2):
-                    run_pipeline(chunks, batches, step, forward_only=False)
+                    run_pipeline(chunks, inputs, step, forward_only=False)
                 synchronize()
                 times = []
                 for _ in range(5):
                     t = time.perf_counter()
-                    run_pipeline(chunks, batches, step, forward_only=False)
+                    run_pipeline(chunks, inputs, step, forward_only=False)
                     synchronize()
                     times.append(time.perf_counter() - t)
                 sec = sorted(times)[len(times) // 2]
