@@ -262,7 +262,8 @@ def _recipe_plans(tmp_path: Path, monkeypatch) -> dict:
         cfg = load_config(str(path))
         if path.name == "demo_cpu.yaml":
             plans[path.name] = plan(cfg, read_hf_config(run_dir / "model"), device="cpu")
-        elif path.name == "demo.yaml":  # the real-model demo: SmolLM2-135M-Instruct, converted into $RUN_DIR/model
+        elif path.name in ("demo.yaml", "countdown_tool_smollm2.yaml"):
+            # the real-model demo and the tool recipe: SmolLM2-135M-Instruct, converted into $RUN_DIR/model
             plans[path.name] = plan(cfg, read_hf_config(known_config("SmolLM2-135M-Instruct")[1]), device="cpu")
         elif path.name == "ppo_trainer.yaml":
             plans[path.name] = plan(cfg, read_hf_config(known_config("Qwen2.5-0.5B")[1]))
