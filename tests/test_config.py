@@ -356,6 +356,33 @@ def test_expert_parallel_must_divide_the_models_experts(tmp_path):
     load(f"actor_rollout_ref.model.path={dense}")
 
 
+def test_router_replay_needs_a_moe_model_and_the_cpu_engine(tmp_path):
+    six, dense = _moe_dir(tmp_path, "six", 6), _moe_dir(tmp_path, "dense", None)
+    r3 = [f"actor_rollout_ref.model.path={six}", f"{ACTOR}.router_replay.mode=R3", "actor_rollout_ref.rollout.name=cpu",
+          "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]
+    load(*r3)
+    key = f"{ACTOR}.router_replay.mode = 'R3'"
+    assert error_of(*r3[1:], f"actor_rollout_ref.model.path={dense}") == (
+        f"{key}: the model is dense (qwen3): there are no routes to replay; set {ACTOR}.router_replay.mode=disabled")
+    for override, why in (("actor_rollout_ref.rollout.name=sglang", "rollout.name=sglang"),
+                          ("actor_rollout_ref.rollout.multi_turn.enable=true", "rollout.multi_turn.enable=true"),
+                          ("algorithm.filter_groups.enable=true actor_rollout_ref.rollout.n=2",
+                           "algorithm.filter_groups.enable=true"),
+                          (f"{ACTOR}.megatron.recompute=full", "megatron.recompute")):
+        message = error_of(*r3, *override.split())
+        assert message.startswith(f"{key}: not supported with {why}"), message
+        assert message.endswith(f"set {ACTOR}.router_replay.mode=disabled")
+    assert "choose one of: R3, disabled" in error_of(*r3[:1], f"{ACTOR}.router_replay.mode=R2")
+
+
+def test_moe_loss_coefficients_are_inherited_and_non_negative():
+    cfg = load(f"{ACTOR}.megatron.override_transformer_config.moe_aux_loss_coeff=0.01")
+    assert cfg.critic.megatron.override_transformer_config.moe_aux_loss_coeff == 0.01
+    assert cfg.actor_rollout_ref.ref.megatron.override_transformer_config.moe_z_loss_coeff == 0.0
+    message = error_of(f"{ACTOR}.megatron.override_transformer_config.moe_z_loss_coeff=-1")
+    assert message == f"{ACTOR}.megatron.override_transformer_config.moe_z_loss_coeff = -1.0: must be >= 0"
+
+
 def test_rollout_engine_must_fit_in_a_node():
     message = error_of("actor_rollout_ref.rollout.tensor_model_parallel_size=3")
     assert "an engine must live within one node of 8 ranks" in message

@@ -172,6 +172,34 @@ def test_activations_equal_korthikanti_closed_form():
         assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "full"), 2 * s * b * h)
 
 
+def test_moe_layer_activations_hand_count():
+    """A Qwen3-MoE layer (8 experts, top-2, expert width 48) keeps, per token, hand-counted: the two norms' and the
+    QKV projection's inputs (3h), the k dispatched expert inputs (2h) and the router's fp32 scores (8 x 4 bytes);
+    split over TP: Q, K, V and the attention output (head_dim 16: 8 + 2 x 2 + 8 heads' worth) and each expert's
+    SwiGLU fc1 output (2 x 48) and fc2 input (48) for both chosen experts; with flash attention a log-sum-exp per
+    head. The dense layer (mlp_only_layers) keeps its own SwiGLU (3 x 96). The stage's mean enters the peak."""
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan.memory import Precision, RoleLayout, layer_activation_bytes, training_activations
+
+    args = read_hf_config({"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 96,
+                           "moe_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
+                           "num_hidden_layers": 4, "mlp_only_layers": [3], "num_attention_heads": 8,
+                           "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000})
+    prec = Precision.for_dtype(2, flash_attention=True)
+    s, b, t = 100, 3, 2
+    tokens = s * b
+    moe_per_token = (3 * 64 + 2 * 64) * 2 + 8 * 4 + ((8 + 4 + 8) * 16 + 2 * 3 * 48) * 2 / t + 8 * 4 / t
+    dense_per_token = 4 * 64 * 2 + ((8 + 4 + 8) * 16 + 3 * 96) * 2 / t + 8 * 4 / t
+    assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "none", moe=True), tokens * moe_per_token)
+    assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "none"), tokens * dense_per_token)
+    lay = RoleLayout(role="actor", tp=t, pp=1, vpp=None, dp=2, distributed_optimizer=True, recompute="none",
+                     micro_batch=b, forward_micro_batch=b, micro_batches_per_step=2, trains=True, offloaded=False,
+                     ep=2)
+    per_micro, peak = training_activations(args, lay, prec, s, stage=0)
+    assert math.isclose(per_micro, tokens * (3 * moe_per_token + dense_per_token))
+    assert math.isclose(peak, per_micro)  # PP 1: one micro-batch's layers
+
+
 def test_pipeline_in_flight_matches_paper_factor():
     """1F1B: stage 0 holds p micro-batches of L/p layers = L layers; interleaved: L·(1 + (p-1)/(p·v))."""
     from mppo.models.hf_config import read_hf_config

@@ -45,6 +45,18 @@ def test_packed_responses_round_trip():
     assert _unpack(_pack([])) == []
 
 
+def test_packed_routed_experts_round_trip():
+    import torch
+
+    routes = [torch.randint(0, 8, (n, 3, 2), dtype=torch.int32) for n in (4, 2)]
+    responses = [RolloutResponse(0, 0, [5, 6], [-0.5, -1.0], "stop", routed_experts=routes[0]),
+                 RolloutResponse(1, 0, [9], [-2.0], "length", routed_experts=routes[1])]
+    back = _unpack(_pack(responses))
+    assert [(r.prompt_index, r.token_ids, r.log_probs) for r in back] == [(0, [5, 6], [-0.5, -1.0]), (1, [9], [-2.0])]
+    assert all(torch.equal(a.routed_experts, b) for a, b in zip(back, routes))
+    assert all(r.routed_experts is None for r in _unpack(_pack([RolloutResponse(0, 0, [1], [0.0], "stop")])))
+
+
 def _load(*overrides: str, world: int = 2):
     from mppo.config import load_config
 

@@ -18,7 +18,8 @@ def _linear_flops(counter: FlopCounterMode) -> int:
 
 
 def _models():
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     torch.manual_seed(0)
     # SmolLM2-like (tied, GQA, big vocabulary for its size) and Qwen2 (untied, QKV bias)
@@ -26,10 +27,16 @@ def _models():
                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     qwen = Qwen2Config(vocab_size=1000, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                        num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False)
-    return [LlamaForCausalLM(llama), Qwen2ForCausalLM(qwen)]
+    # Qwen3-MoE: HF's eager experts run each expert on the tokens routed to it only, so its matmuls are the active
+    # (top-k) FLOPs; layer 1 dense (mlp_only_layers)
+    moe = Qwen3MoeConfig(vocab_size=500, hidden_size=32, intermediate_size=80, moe_intermediate_size=24,
+                         num_experts=6, num_experts_per_tok=2, mlp_only_layers=[1], num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    moe._experts_implementation = "eager"  # transformers' default, grouped_mm, is not seen by FlopCounterMode
+    return [LlamaForCausalLM(llama), Qwen2ForCausalLM(qwen), Qwen3MoeForCausalLM(moe)]
 
 
-@pytest.mark.parametrize("index", [0, 1], ids=["llama_tied", "qwen2_untied"])
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["llama_tied", "qwen2_untied", "qwen3_moe"])
 def test_step_flops_equal_the_matmuls_of_each_pass(index, tmp_path):
     model = _models()[index]
     model.config.save_pretrained(tmp_path)

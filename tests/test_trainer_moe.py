@@ -1,7 +1,11 @@
 """PPO (GAE, with a critic) and GRPO (KL loss to a reference) on a tiny Qwen3-MoE (4 experts, top-2), CPU engine,
 fp32, 2 ranks: at EP 2 (each rank holds 2 of the 4 experts of every layer, tokens dispatched all-to-all) the first
 step's metrics and updated weights equal those at EP 1 (DP 2, every rank all experts); a run at EP 2 killed after
-its checkpoint and resumed continues bit-identically.
+its checkpoint and resumed continues bit-identically. Routing replay (actor.router_replay.mode=R3): with the
+engine's router weights perturbed (the honest mismatch source: the engine then routes some tokens to other
+experts than the fp32 actor would), replaying the engine's routes shrinks training/rollout_probs_diff_max; R3 at
+EP 2 equals EP 1. With moe_aux_loss_coeff / moe_z_loss_coeff set, actor/ and critic/moe_aux_loss, moe_z_loss are
+in the step's metrics.
 
 The reference for EP 2 is the EP 1 run: the same model, seed, prompts and rollouts (the engine seeds every sample
 by its global index), with the experts in one place. One torchrun launch runs every case.
@@ -18,6 +22,10 @@ from e2e_assets import dense_reward, make_assets, step_metrics, tiny_overrides
 from reliability_launch import TIMING_PREFIXES
 
 EP2 = ["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"]
+R3 = ["actor_rollout_ref.actor.router_replay.mode=R3"]
+AUX = ["actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.01",
+       "actor_rollout_ref.actor.megatron.override_transformer_config.moe_z_loss_coeff=0.001"]
+PERTURBED = "step_engine_routers_perturbed"  # tests/dist/trainer_moe.py: the engine's routers slightly off
 
 
 def _cases(root: Path) -> dict:
@@ -35,6 +43,14 @@ def _cases(root: Path) -> dict:
         "grpo_ep2": ["step", grpo + EP2, "grpo_ep1"],
         "ppo_ep1": ["step", ppo, None],
         "ppo_ep2": ["step", ppo + EP2, "ppo_ep1"],
+        # routing replay: GRPO takes the old log-probs from the update's forward, PPO (2 mini-batches) from an
+        # old-log-prob pass; the engine's routers are perturbed in all four
+        "grpo_mismatch": [PERTURBED, grpo, None],
+        "grpo_mismatch_r3": [PERTURBED, grpo + R3, None],
+        "grpo_mismatch_r3_ep2": [PERTURBED, grpo + R3 + EP2, "grpo_mismatch_r3"],
+        "ppo_mismatch": [PERTURBED, ppo, None],
+        "ppo_mismatch_r3": [PERTURBED, ppo + R3, None],
+        "ppo_aux": ["step", ppo + AUX, None],
         "straight": ["fit", resume + [f"trainer.default_local_dir={root / 'straight'}",
                                       "trainer.total_training_steps=2"], None],
         "first": ["fit", resume + [f"trainer.default_local_dir={root / 'resumed'}",
@@ -77,3 +93,37 @@ def test_resume_at_ep2_continues_bit_identically(run):
     assert sorted(straight) == sorted(resumed) == [1, 2]
     for step in (1, 2):
         assert _computed(resumed[step]) == _computed(straight[step]), step
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_routing_replay_brings_the_actors_log_probs_to_the_engines(run, algorithm):
+    """The engine serves router weights off the actor's by 5% of their std (tests/dist/trainer_moe.py): without
+    replay some tokens go to other experts in the actor than in the engine; with the engine's routes replayed
+    only the small difference of the routing weights is left."""
+    _, ranks = run
+    for r in ranks:
+        off = r[f"{algorithm}_mismatch"]["metrics"]["training/rollout_probs_diff_max"]
+        on = r[f"{algorithm}_mismatch_r3"]["metrics"]["training/rollout_probs_diff_max"]
+        print(f"{algorithm}: training/rollout_probs_diff_max without replay {off:.3e}, with R3 {on:.3e}")
+        assert on < off / 5, (on, off)
+    rank0, rank1 = (_computed(r[f"{algorithm}_mismatch"]["metrics"]) for r in ranks)
+    assert rank0 == rank1  # timings and throughputs are each rank's own
+
+
+def test_routing_replay_at_ep2_equals_ep1(run):
+    _, ranks = run
+    for r in ranks:
+        ep1, ep2 = _computed(r["grpo_mismatch_r3"]["metrics"]), _computed(r["grpo_mismatch_r3_ep2"]["metrics"])
+        assert set(ep1) == set(ep2)
+        for key, value in ep1.items():
+            assert ep2[key] == pytest.approx(value, rel=1e-4, abs=1e-4), key
+        assert r["grpo_mismatch_r3_ep2"]["weights_diff"] <= 1e-5
+
+
+def test_moe_aux_losses_are_reported_when_on(run):
+    _, ranks = run
+    for r in ranks:
+        on, off = r["ppo_aux"]["metrics"], r["ppo_ep1"]["metrics"]
+        for key in ("actor/moe_aux_loss", "actor/moe_z_loss", "critic/moe_aux_loss", "critic/moe_z_loss"):
+            assert key not in off
+            assert on[key] > 0, key

@@ -10,8 +10,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from workers_fixtures import B, P, PROMPT_LENGTHS, RESPONSE_LENGTHS, T, make_batch  # noqa: E402
 
-from mppo.workers.batching import (BatchError, make_micro_batch, make_micro_batches, mini_batch_rows,  # noqa: E402
-                                   pad_to_uniform, scatter_rows, split_by_tokens, split_to_multiple,
+from mppo.workers.batching import (ROUTES_KEY, BatchError, make_micro_batch, make_micro_batches,  # noqa: E402
+                                   mini_batch_rows, pad_to_uniform, scatter_rows, split_by_tokens, split_to_multiple,
                                    validate_batch)
 
 
@@ -91,6 +91,35 @@ def test_pad_to_uniform_pads_rows_and_input_length_only(batch):
     last = padded[-1]  # 2 real rows + 1 padded row
     assert last["response_mask"].shape == (3, T) and last["response_mask"][2].eq(0).all()
     assert not last["response_valid"][2].any()
+
+
+def test_routes_move_with_their_tokens_into_micro_batches(batch):
+    """routed_experts [B, P+T, layers, k] by input_ids column: compacted like the tokens, padding -> experts 0..k-1,
+    and padded to the uniform shape the same way."""
+    layers, k = 3, 2
+    cols = P + T
+    # an entry names its row, column, layer and slot, so any misplacement shows
+    routes = (torch.arange(B)[:, None, None, None] * 1000 + torch.arange(cols)[None, :, None, None] * 10
+              + torch.arange(layers)[None, None, :, None] * 2 + torch.arange(k)).int()
+    batch[ROUTES_KEY] = routes
+    validate_batch(batch)
+    mbs = make_micro_batches(batch, torch.arange(B), micro_batch_size=3)
+    for mb in mbs:
+        got = mb.data[ROUTES_KEY]
+        assert got.shape == (*mb.data["input_ids"].shape, layers, k)
+        for i, row in enumerate(mb.rows.tolist()):
+            attended = batch["attention_mask"][row].bool().nonzero().flatten()
+            assert torch.equal(got[i, :len(attended)], routes[row, attended])
+            assert (got[i, len(attended):] == torch.arange(k, dtype=torch.int32)).all()
+    padded = pad_to_uniform(mbs)
+    last, mb = padded[-1], mbs[-1]
+    assert last[ROUTES_KEY].shape == (*last["input_ids"].shape, layers, k)
+    b, s = mb.data["input_ids"].shape
+    assert torch.equal(last[ROUTES_KEY][:b, :s], mb.data[ROUTES_KEY])
+    assert (last[ROUTES_KEY][b:] == torch.arange(k, dtype=torch.int32)).all()
+    batch[ROUTES_KEY] = routes[:, 1:]
+    with pytest.raises(BatchError, match="routed_experts must be"):
+        validate_batch(batch)
 
 
 def test_mini_batches_and_scatter():

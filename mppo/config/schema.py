@@ -66,6 +66,13 @@ RECOMPUTE = ("none", "selective", "full")  # none; selective = attention core on
 
 
 @dataclass
+class TransformerOverrides:
+    # megatron TransformerConfig fields set on top of mppo's (veRL's override_transformer_config); MoE models only
+    moe_aux_loss_coeff: Optional[float] = None  # Switch load-balancing loss x this, added to the loss; 0 = off
+    moe_z_loss_coeff: Optional[float] = None  # router z-loss (ST-MoE) x this, added to the loss; 0 = off
+
+
+@dataclass
 class MegatronConfig:
     # For the critic and the reference policy every null here means "same as the actor's".
     tensor_model_parallel_size: Optional[int] = None  # TP: ranks sharding each layer
@@ -77,13 +84,17 @@ class MegatronConfig:
     seed: Optional[int] = None  # model-parallel RNG seed (init, dropout); actor: null = trainer.seed
     param_offload: Optional[bool] = None  # params + grad buffers in host memory while the rollout generates
     optimizer_offload: Optional[bool] = None  # optimizer state in host memory while the rollout generates
+    # TransformerConfig overrides (MoE aux losses; the ref never trains, so only the actor and critic use them)
+    override_transformer_config: TransformerOverrides = field(default_factory=TransformerOverrides)
 
 
 def actor_megatron_defaults() -> MegatronConfig:
     return MegatronConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                           virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
                           use_distributed_optimizer=True, recompute="none", seed=None, param_offload=False,
-                          optimizer_offload=False)
+                          optimizer_offload=False,
+                          override_transformer_config=TransformerOverrides(moe_aux_loss_coeff=0.0,
+                                                                           moe_z_loss_coeff=0.0))
 
 
 @dataclass
@@ -95,6 +106,13 @@ class PolicyLossConfig:
     kl_cov_ratio: float = 0.0002  # kl_cov: fraction of valid tokens given the |log-ratio| penalty
     ppo_kl_coef: float = 0.1  # kl_cov: coefficient of that penalty
     dro_beta: Optional[float] = None  # dro: weight of the quadratic log-ratio penalty; required for loss_mode dro
+
+
+@dataclass
+class RouterReplayConfig:
+    # veRL's router_replay (its megatron backend nests it under actor.megatron); MoE models only
+    mode: str = choice("disabled", "R3")  # R3: the actor replays the rollout engine's expert choices of every token
+    # in its old-log-prob and update forwards (the CPU engine records them)
 
 
 @dataclass
@@ -122,6 +140,7 @@ class ActorConfig:
     logprob_impl: str = choice("fused", "naive")  # fused: chunked hidden->logprob kernel; naive: full logits
     kernel_backend: str = choice("auto", "triton", "torch")  # fused kernels: auto = triton on cuda, torch on cpu
     calculate_sum_pi_squared: Optional[bool] = None  # sum_v p^2 per token in the old-log-prob pass; null: iff needed
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)  # MoE routing replay
     megatron: MegatronConfig = field(default_factory=actor_megatron_defaults)  # actor parallel layout
 
 
@@ -313,7 +332,8 @@ class MppoConfig:
 ACTOR = "actor_rollout_ref.actor"
 MEGATRON_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "virtual_pipeline_model_parallel_size", "expert_model_parallel_size", "use_distributed_optimizer",
-                 "recompute", "seed", "param_offload", "optimizer_offload")
+                 "recompute", "seed", "param_offload", "optimizer_offload",
+                 "override_transformer_config.moe_aux_loss_coeff", "override_transformer_config.moe_z_loss_coeff")
 
 # key -> parent key: a null key takes its parent's (resolved) value. critic.enable is resolved separately
 # (from the estimator), see resolve().

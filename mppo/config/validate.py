@@ -94,7 +94,9 @@ _RANGES: list[tuple[list[str], tuple[Callable[[Any], bool], str]]] = [
                                                        "expert_model_parallel_size")], _at_least(1)),
     ([f"{o}.{k}" for o in _OPTIMS for k in ("lr", "weight_decay", "clip_grad")]
      + [f"{ACTOR}.kl_loss_coef", "algorithm.kl_ctrl.kl_coef", f"{ROLLOUT}.val_kwargs.temperature",
-        "trainer.critic_warmup", "trainer.max_consecutive_skips"], _at_least(0)),
+        "trainer.critic_warmup", "trainer.max_consecutive_skips"]
+     + [f"{m}.override_transformer_config.{k}" for m in _ROLES_MEGATRON
+        for k in ("moe_aux_loss_coeff", "moe_z_loss_coeff")], _at_least(0)),
     ([f"{o}.eps" for o in _OPTIMS] + [f"{ACTOR}.clip_ratio", f"{ACTOR}.clip_ratio_low", f"{ACTOR}.clip_ratio_high",
                                       "critic.cliprange_value", "algorithm.kl_ctrl.target_kl",
                                       f"{ROLLOUT}.temperature", f"{ROLLOUT}.multi_turn.tool_timeout_s"], _above(0)),
@@ -388,6 +390,30 @@ def check_expert_parallel(cfg: MppoConfig) -> None:
                         f"use a divisor of {experts} that divides DP: {_divisors(experts)}")
 
 
+def check_router_replay(cfg: MppoConfig) -> None:
+    """Routing replay (R3) needs a MoE model and a rollout whose every routed token the engine ran itself."""
+    key = f"{ACTOR}.router_replay.mode"
+    mode, rollout = get_key(cfg, key), cfg.actor_rollout_ref.rollout
+    if mode == "disabled":
+        return
+    unsupported = [
+        (rollout.name != "cpu", f"rollout.name={rollout.name}: only the CPU engine records routed experts (SGLang "
+                                "0.5.23's return_routed_experts is not wired, docs/MOE.md)"),
+        (rollout.multi_turn.enable, "rollout.multi_turn.enable=true: tool-response tokens have no engine routes"),
+        (cfg.algorithm.filter_groups.enable, "algorithm.filter_groups.enable=true: dynamic sampling's batch "
+                                             "concatenation does not carry routes"),
+        (get_key(cfg, f"{ACTOR}.megatron.recompute") != "none", "megatron.recompute: recomputed forwards in the "
+                                                                  "backward would route anew"),
+    ]
+    for bad, why in unsupported:
+        if bad:
+            raise _fail(key, mode, f"not supported with {why}", f"set {key}=disabled")
+    config = _model_config(cfg.actor_rollout_ref.model.path) if cfg.actor_rollout_ref.model.path else None
+    if config is not None and not (config.get("num_experts") or config.get("num_local_experts")):
+        raise _fail(key, mode, f"the model is dense ({config.get('model_type')}): there are no routes to replay",
+                    f"set {key}=disabled")
+
+
 def check_model_limits(cfg: MppoConfig) -> None:
     """A prompt + response sequence must fit the positions of every model that reads it (actor, critic): rotary
     embeddings beyond max_position_embeddings are outside what the model was trained for, and the CPU engine
@@ -436,3 +462,4 @@ def validate(cfg: MppoConfig, world_size: int | None = None) -> None:
         _check_batches(cfg, "critic", _data_parallel_size(cfg, "critic", world, world_text))
     check_model_limits(cfg)
     check_expert_parallel(cfg)
+    check_router_replay(cfg)

@@ -8,7 +8,10 @@ Model state (what megatron-core allocates; a test compares these with a real CPU
              DP ranks by the distributed optimizer.
 MoE models (Qwen3-MoE): a MoE layer holds its router (replicated) and num_experts / EP experts of
 3 x hidden x moe_ffn_hidden_size each (split over TP like a dense MLP); the experts' optimizer state is divided
-over the expert-data-parallel ranks (DP / EP) by the distributed optimizer, the rest over DP.
+over the expert-data-parallel ranks (DP / EP) by the distributed optimizer, the rest over DP. A MoE layer's
+activations replace the MLP's: each token is dispatched to top-k experts, so with balanced routing an EP rank's
+experts keep k x (their micro-batch's tokens) expert inputs (hidden wide) and k x the SwiGLU intermediates
+(moe_ffn_hidden_size wide), whatever EP is; the router keeps its fp32 scores (tokens x experts).
 Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Table 2,
 the rows for tensor parallelism without sequence parallelism (mppo builds without it):
   none       s·b·h·(10 + 24/t + 5·a·s/(h·t))   selective  s·b·h·(10 + 24/t)   full  2·s·b·h per layer
@@ -192,16 +195,23 @@ def model_state(a: HFModelArgs, lay: RoleLayout, prec: Precision, stage: int) ->
 
 # --------------------------------------------------------------------------------------------------- activations
 def layer_activation_bytes(a: HFModelArgs, tp: int, seq: int, batch: float, prec: Precision,
-                           recompute: str) -> float:
-    """Bytes one layer keeps for the backward of one micro-batch [batch x seq] (see the module docstring)."""
+                           recompute: str, *, moe: bool = False) -> float:
+    """Bytes one layer (`moe`: a MoE layer) keeps for the backward of one micro-batch [batch x seq] (see the
+    module docstring)."""
     sb, e, h = seq * batch, prec.act_bytes, a.hidden_size
     if recompute == "full":
         return sb * h * e  # only the layer input; the rest is recomputed
-    # replicated over TP: inputs of the two norms, of the QKV projection and of fc1
-    replicated = 4 * sb * h * e
+    if moe:  # fc1's input: the k dispatched copies of each token (and the router's fp32 scores); fc1 output and
+        # fc2 input: k x the expert width
+        fc1_input = a.moe_topk * sb * h * e + sb * (a.num_experts or 0) * FP32
+        mlp = 3 * a.moe_topk * sb * (a.moe_ffn_hidden_size or 0)
+    else:
+        fc1_input, mlp = sb * h * e, 3 * sb * a.ffn_hidden_size
+    # replicated over TP: inputs of the two norms, of the QKV projection and of fc1 (MoE: and the router scores)
+    replicated = 3 * sb * h * e + fc1_input
     # split over TP: Q, K, V; the attention output (out-projection input); SwiGLU's fc1 output and fc2 input
     qkv = sb * a.head_dim * (a.num_attention_heads + 2 * a.num_query_groups)
-    sharded = (qkv + sb * a.num_attention_heads * a.head_dim + 3 * sb * a.ffn_hidden_size) * e / tp
+    sharded = (qkv + sb * a.num_attention_heads * a.head_dim + mlp) * e / tp
     if prec.flash_attention:
         scores = sb * a.num_attention_heads * FP32 / tp  # log-sum-exp per head and token
     else:
@@ -223,17 +233,22 @@ def layers_in_flight(a: HFModelArgs, lay: RoleLayout, stage: int) -> float:
 def training_activations(a: HFModelArgs, lay: RoleLayout, prec: Precision, seq: int, stage: int
                          ) -> tuple[float, float]:
     """(bytes of one micro-batch's activations on this stage, bytes at the schedule's peak)."""
-    stored = layer_activation_bytes(a, lay.tp, seq, lay.micro_batch, prec, lay.recompute)
+    layers = stage_layers(a, lay, stage)
+    # a layer's mean over the stage's layers (dense and MoE layers differ)
+    stored = sum(layer_activation_bytes(a, lay.tp, seq, lay.micro_batch, prec, lay.recompute,
+                                        moe=i in a.moe_layers) for i in layers) / len(layers)
     per_micro = stored * a.num_layers / lay.pp
     peak = stored * layers_in_flight(a, lay, stage)
     if lay.recompute == "full":  # the backward recomputes one layer with everything kept
-        peak += layer_activation_bytes(a, lay.tp, seq, lay.micro_batch, prec, "none")
+        peak += max(layer_activation_bytes(a, lay.tp, seq, lay.micro_batch, prec, "none", moe=i in a.moe_layers)
+                    for i in layers)
     return per_micro, peak
 
 
 def forward_only_bytes(a: HFModelArgs, tp: int, seq: int, batch: float, prec: Precision) -> float:
-    """Transient working set of a no-grad forward: about one layer's intermediate tensors."""
-    return layer_activation_bytes(a, tp, seq, batch, prec, "none")
+    """Transient working set of a no-grad forward: about one layer's intermediate tensors (the larger kind)."""
+    return max(layer_activation_bytes(a, tp, seq, batch, prec, "none", moe=moe)
+               for moe in {i in a.moe_layers for i in range(a.num_layers)})
 
 
 # -------------------------------------------------------------------------------------------- log-prob working set

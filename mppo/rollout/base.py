@@ -94,6 +94,10 @@ class RolloutResponse:
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: FinishReason
+    # routing replay (R3): the MoE experts the engine chose for every token it ran, prompt then response,
+    # [len(prompt) + len(token_ids) - 1, MoE layers, top_k] int32 (the last token is never fed back); None when not
+    # recorded
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.log_probs):

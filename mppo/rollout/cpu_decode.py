@@ -24,7 +24,9 @@ from mppo.rollout.cpu_attention import DecodeLayout, PromptKV, SampleKV
 from mppo.rollout.cpu_model import MIN_ROWS, PackedCausalLM, Rope
 from mppo.rollout.sampling import choose_tokens, counter_uniforms
 
-Result = tuple[list[int], list[float], str]  # token ids, log-probs, finish reason
+# token ids, log-probs, finish reason, and with routing recorded the routed experts of every token the model ran
+# [prompt + generated - 1, MoE layers, top_k] (the last generated token is never fed back), else None
+Result = tuple[list[int], list[float], str, "torch.Tensor | None"]
 # Random numbers are drawn for this many token positions of every sample at once (one tensor expression).
 UNIFORM_BLOCK = 64
 
@@ -93,20 +95,30 @@ def _compact(batch: _Batch, n: int, lengths: torch.Tensor) -> tuple[_Batch, torc
     return new, old_rows
 
 
+def _stacked(routes: list[torch.Tensor]) -> torch.Tensor:
+    """One forward's routes, [rows, MoE layers, top_k] int32."""
+    return torch.stack(routes, dim=1).to(torch.int32)
+
+
 def generate_group(runner: PackedCausalLM, rope: Rope, prompts: list[list[int]], sampling: SamplingParams,
-                   seeds: list[int], stop_ids: tuple[int, ...]) -> list[Result]:
-    """Results for each sample of `prompts`, prompt-major; seeds[prompt * n + i] seeds sample i of the prompt."""
+                   seeds: list[int], stop_ids: tuple[int, ...], record_routes: bool = False) -> list[Result]:
+    """Results for each sample of `prompts`, prompt-major; seeds[prompt * n + i] seeds sample i of the prompt.
+    `record_routes`: also return each sample's routed experts (a MoE model's, for routing replay)."""
     n, max_new = sampling.n, sampling.max_new_tokens
     count = len(prompts) * n
     all_seeds = torch.tensor(seeds, dtype=torch.int64)
     all_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
     prompt_kv = runner.allocate_prompts(all_lengths.tolist())
-    prompt_logits = runner.prefill(prompts, prompt_kv, rope)  # each prompt once, for its n samples
+    prompt_routes: list[torch.Tensor] | None = [] if record_routes else None
+    prompt_logits = runner.prefill(prompts, prompt_kv, rope, prompt_routes)  # each prompt once, for its n samples
     stop = torch.tensor(stop_ids, dtype=torch.int64)
     tokens_out = torch.zeros(count, max_new, dtype=torch.int64)
     log_probs_out = torch.zeros(count, max_new, dtype=torch.float32)
     generated = torch.full((count,), max_new, dtype=torch.int64)
     stopped = torch.zeros(count, dtype=torch.bool)
+    # routed experts of generated token j (fed at decode step j) of every sample
+    routes_out = (torch.zeros(count, max(max_new - 1, 0), runner.moe_layers, runner.top_k, dtype=torch.int32)
+                  if record_routes else None)
 
     samples = torch.arange(count)
     own = runner.allocate_samples(len(prompts), n, max(1, max_new - 1))
@@ -134,16 +146,26 @@ def generate_group(runner: PackedCausalLM, rope: Rope, prompts: list[list[int]],
                         batch, old_rows = _compact(batch, n, all_lengths)
                         tokens = tokens[old_rows]
                     live, live_samples = batch.live_rows()
+        step_routes: list[torch.Tensor] | None = [] if record_routes else None
         logits = runner.decode(tokens, batch.prompt_lengths + position, batch.prompts, batch.own, position,
-                               batch.layout, rope)
+                               batch.layout, rope, step_routes)
+        if step_routes is not None:
+            routes_out[live_samples, position] = _stacked(step_routes)[live]
     token_lists, log_prob_lists = tokens_out.tolist(), log_probs_out.tolist()
-    return [(tokens[:length], log_probs[:length], "stop" if stop_hit else "length")
-            for tokens, log_probs, length, stop_hit in zip(token_lists, log_prob_lists, generated.tolist(),
-                                                           stopped.tolist())]
+    routes = [None] * count
+    if record_routes:  # prompt tokens' routes (from the packed prefill rows), then the fed generated tokens'
+        packed = _stacked(prompt_routes)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), all_lengths.cumsum(0)]).tolist()
+        routes = [torch.cat([packed[starts[i // n]:starts[i // n + 1]], routes_out[i, :length - 1]])
+                  for i, length in enumerate(generated.tolist())]
+    return [(tokens[:length], log_probs[:length], "stop" if stop_hit else "length", sample_routes)
+            for tokens, log_probs, length, stop_hit, sample_routes in zip(token_lists, log_prob_lists,
+                                                                          generated.tolist(), stopped.tolist(),
+                                                                          routes)]
 
 
 def generate(runner: PackedCausalLM, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int],
-             stop_ids: tuple[int, ...]) -> list[Result]:
+             stop_ids: tuple[int, ...], record_routes: bool = False) -> list[Result]:
     """generate_group over all prompts, split over one worker per torch intra-op thread (module docstring)."""
     rope = runner.rope(max(len(p) for p in prompts) + sampling.max_new_tokens)
     threads = torch.get_num_threads()
@@ -159,7 +181,8 @@ def generate(runner: PackedCausalLM, prompts: list[list[int]], sampling: Samplin
             # single-threaded kernels in every worker; OpenMP's thread count is per calling thread, and a new
             # thread starts from OMP_NUM_THREADS (or all cores)
             torch.set_num_threads(1)
-            results[index] = generate_group(runner, rope, prompts[lo:hi], sampling, seeds[lo * n : hi * n], stop_ids)
+            results[index] = generate_group(runner, rope, prompts[lo:hi], sampling, seeds[lo * n : hi * n], stop_ids,
+                                            record_routes)
         except BaseException as exc:  # re-raised in the calling thread
             errors.append(exc)
 

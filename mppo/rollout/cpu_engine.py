@@ -34,14 +34,21 @@ from mppo.rollout.seeding import sample_seed
 
 
 class CPURolloutEngine(RolloutEngine):
-    """Rollout on CPU in float32. Build it from an HF config (e.g. `transformers.AutoConfig.from_pretrained(dir)`)."""
+    """Rollout on CPU in float32. Build it from an HF config (e.g. `transformers.AutoConfig.from_pretrained(dir)`).
 
-    def __init__(self, hf_config: PretrainedConfig) -> None:
+    `record_routed_experts`: every response also carries the experts each MoE layer chose for each token
+    (`RolloutResponse.routed_experts`), for the actor's routing replay (actor.router_replay.mode=R3)."""
+
+    def __init__(self, hf_config: PretrainedConfig, *, record_routed_experts: bool = False) -> None:
         super().__init__()
         check_supported(hf_config)
         self._config = hf_config
         self._model = _build_unloaded_model(hf_config)
         self._runner = PackedCausalLM(self._model)
+        if record_routed_experts and not self._runner.moe_layers:
+            raise ValueError(f"recording routed experts needs a MoE model; this {hf_config.model_type} model has no "
+                             "MoE layer (set actor_rollout_ref.actor.router_replay.mode=disabled)")
+        self._record_routes = record_routed_experts
         # Every accepted name -> its parameter; tied names (lm_head.weight with tied embeddings) share one.
         self._params_by_name = dict(self._model.named_parameters(remove_duplicate=False))
         self._expert_pieces = _expert_pieces(self._model)  # per-expert HF name -> its slice of a fused parameter
@@ -155,7 +162,7 @@ class CPURolloutEngine(RolloutEngine):
         stop_ids = () if sampling.ignore_eos else tuple(sorted(set(sampling.stop_token_ids) | self._config_eos))
         seeds = [sample_seed(sampling.seed, step, prompt_indices[p], s)
                  for p in range(len(prompt_token_ids)) for s in range(sampling.n)]
-        out = generate(self._runner, prompt_token_ids, sampling, seeds, stop_ids)
+        out = generate(self._runner, prompt_token_ids, sampling, seeds, stop_ids, self._record_routes)
         return [
             RolloutResponse(
                 prompt_index=prompt_indices[slot // sampling.n],
@@ -163,8 +170,9 @@ class CPURolloutEngine(RolloutEngine):
                 token_ids=tokens,
                 log_probs=log_probs,
                 finish_reason=reason,  # type: ignore[arg-type]
+                routed_experts=routes,
             )
-            for slot, (tokens, log_probs, reason) in enumerate(out)
+            for slot, (tokens, log_probs, reason, routes) in enumerate(out)
         ]
 
 

@@ -80,7 +80,8 @@ class GatedMLP:
     def __init__(self, hf_mlp: torch.nn.Module) -> None:
         self.gate, self.up, self.down = _linear(hf_mlp.gate_proj), _linear(hf_mlp.up_proj), _linear(hf_mlp.down_proj)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # the activation is SiLU (check_supported)
+    def __call__(self, x: torch.Tensor, routes: list[torch.Tensor] | None = None) -> torch.Tensor:
+        # the activation is SiLU (check_supported); a dense MLP has no routes to record
         return F.linear(silu(F.linear(x, *self.gate)) * F.linear(x, *self.up), *self.down)
 
 
@@ -99,9 +100,12 @@ class MoEMLP:
         self.top_k, self.norm_topk_prob = router.top_k, router.norm_topk_prob
         self.gate_up, self.down = experts.gate_up_proj, experts.down_proj  # [E, 2I, H], [E, H, I]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, routes: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """`routes`: when given, this layer's chosen experts [rows, top_k] are appended to it (routing replay)."""
         probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
         top_weights, top_experts = torch.topk(probs, self.top_k, dim=-1)
+        if routes is not None:
+            routes.append(top_experts)
         if self.norm_topk_prob:
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
         weights = torch.zeros_like(probs).scatter_(1, top_experts, top_weights).to(x.dtype)  # [rows, E]
@@ -177,8 +181,8 @@ class DecoderLayer:
         self.post_attention_norm = RMSNorm(hf_layer.post_attention_layernorm)
         self.mlp = MoEMLP(hf_layer.mlp) if hasattr(hf_layer.mlp, "experts") else GatedMLP(hf_layer.mlp)
 
-    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden + self.mlp(self.post_attention_norm(hidden))
+    def feed_forward(self, hidden: torch.Tensor, routes: list[torch.Tensor] | None = None) -> torch.Tensor:
+        return hidden + self.mlp(self.post_attention_norm(hidden), routes)
 
 
 class PackedCausalLM:
@@ -195,6 +199,8 @@ class PackedCausalLM:
         self.embedding = hf_model.model.embed_tokens.weight
         self.final_norm = RMSNorm(hf_model.model.norm)
         self.lm_head = hf_model.lm_head.weight  # tied models share the embedding Parameter here
+        self.moe_layers = sum(isinstance(layer.mlp, MoEMLP) for layer in self.layers)
+        self.top_k = next((layer.mlp.top_k for layer in self.layers if isinstance(layer.mlp, MoEMLP)), 0)
 
     # ---- caches and RoPE ----------------------------------------------------------------------------------
     def allocate_prompts(self, lengths: list[int]) -> PromptKV:
@@ -210,8 +216,11 @@ class PackedCausalLM:
 
     # ---- forward ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, prompts: list[list[int]], cache: PromptKV, rope: Rope) -> torch.Tensor:
-        """Run the packed prompts, filling `cache`; float32 logits after each prompt's last token, [prompts, V]."""
+    def prefill(self, prompts: list[list[int]], cache: PromptKV, rope: Rope,
+                routes: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Run the packed prompts, filling `cache`; float32 logits after each prompt's last token, [prompts, V].
+        `routes`: when given, each MoE layer appends its chosen experts [packed rows, top_k] (prompts back to back
+        from row 0, then padding rows)."""
         # Torch-function modes (mppo.parallel.cpu_compat installs two, process-wide, for megatron on CPU) wrap every
         # torch call in Python; decoding makes thousands of small calls, and none of them needs the modes (CPU
         # tensors only), so they are switched off here. Results are unchanged: the modes only rewrite CUDA
@@ -232,22 +241,22 @@ class PackedCausalLM:
             for index, layer in enumerate(self.layers):
                 x = layer.input_norm(hidden)
                 hidden = hidden + layer.attention.prefill(x, cos_sin, index, cache, starts)
-                hidden = layer.feed_forward(hidden)
+                hidden = layer.feed_forward(hidden, routes)
             last = torch.tensor([s + n - 1 for s, n in zip(starts, lengths)])
             return self._logits(hidden, last)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, prompts: PromptKV, samples: SampleKV, step: int,
-               layout: DecodeLayout, rope: Rope) -> torch.Tensor:
+               layout: DecodeLayout, rope: Rope, routes: list[torch.Tensor] | None = None) -> torch.Tensor:
         """One step for every row: token ids [rows] at absolute `positions` [rows], generated position `step`.
-        Returns float32 logits [rows, V]."""
+        Returns float32 logits [rows, V]. `routes`: as in prefill, [rows, top_k] per MoE layer."""
         with torch._C.DisableTorchFunction():
             cos_sin = rope.at(positions)
             hidden = F.embedding(tokens, self.embedding)
             for index, layer in enumerate(self.layers):
                 x = layer.input_norm(hidden)
                 hidden = hidden + layer.attention.decode(x, cos_sin, index, prompts, samples, step, layout)
-                hidden = layer.feed_forward(hidden)
+                hidden = layer.feed_forward(hidden, routes)
             return self._logits(hidden, None)
 
     def _logits(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

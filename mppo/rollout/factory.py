@@ -155,7 +155,8 @@ def _cpu_engine(spec: EngineSpec) -> RolloutEngine:
 
     from mppo.rollout.cpu_engine import CPURolloutEngine
 
-    return CPURolloutEngine(AutoConfig.from_pretrained(spec.cfg.actor_rollout_ref.model.path))
+    return CPURolloutEngine(AutoConfig.from_pretrained(spec.cfg.actor_rollout_ref.model.path),
+                            record_routed_experts=spec.cfg.actor_rollout_ref.actor.router_replay.mode == "R3")
 
 
 def _sglang_engine(spec: EngineSpec) -> RolloutEngine:
@@ -291,11 +292,20 @@ def _pack(responses: list[RolloutResponse | AgentResponse]) -> dict[str, torch.T
         "lengths": torch.tensor(lengths, dtype=torch.int64),
         "tokens": torch.tensor([t for r in responses for t in r.token_ids], dtype=torch.int64),
         "log_probs": torch.tensor([lp for r in responses for lp in r.log_probs], dtype=torch.float64),  # lossless
+        **_pack_routes(responses),
     }
     if responses and isinstance(responses[0], AgentResponse):
         packed["loss_mask"] = torch.tensor([m for r in responses for m in r.loss_mask], dtype=torch.int8)
         packed["num_tool_calls"] = torch.tensor([r.num_tool_calls for r in responses], dtype=torch.int64)
     return packed
+
+
+def _pack_routes(responses: list[RolloutResponse | AgentResponse]) -> dict[str, torch.Tensor]:
+    """Routed experts (routing replay), when the engine recorded them: concatenated over responses."""
+    if not responses or getattr(responses[0], "routed_experts", None) is None:  # AgentResponse has none
+        return {}
+    return {"routes": torch.cat([r.routed_experts for r in responses]),
+            "route_lengths": torch.tensor([r.routed_experts.shape[0] for r in responses], dtype=torch.int64)}
 
 
 def _unpack(packed: dict[str, torch.Tensor]) -> list[RolloutResponse | AgentResponse]:
@@ -307,9 +317,12 @@ def _unpack(packed: dict[str, torch.Tensor]) -> list[RolloutResponse | AgentResp
                               "stop" if key[2] else "length")
                 for key, t, lp, m, calls in zip(keys, tokens, log_probs, packed["loss_mask"].split(lengths),
                                                 packed["num_tool_calls"].tolist())]
+    routes = (packed["routes"].split(packed["route_lengths"].tolist()) if "routes" in packed
+              else [None] * len(tokens))
     return [RolloutResponse(prompt_index=int(key[0]), sample_index=int(key[1]), token_ids=t.tolist(),
-                            log_probs=lp.tolist(), finish_reason="stop" if key[2] else "length")
-            for key, t, lp in zip(keys, tokens, log_probs)]
+                            log_probs=lp.tolist(), finish_reason="stop" if key[2] else "length",
+                            routed_experts=experts)
+            for key, t, lp, experts in zip(keys, tokens, log_probs, routes)]
 
 
 def build_rollout(cfg: MppoConfig, *, device: torch.device, dtype: torch.dtype, log_dir: Path) -> Rollout:

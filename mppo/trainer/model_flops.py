@@ -10,6 +10,9 @@ Counting `6 x parameters x all tokens` instead over-counts small models with big
 vocab x hidden output layer is 21% of its parameters, and ~60% of a demo step's tokens are prompt tokens, which
 is how `perf/mfu` exceeded 1 (issue 14, together with a single, noisy peak measurement).
 
+A MoE layer runs, per token, its router (hidden -> experts) and the top-k experts it picked: the active
+parameters, not all experts (a Qwen3-30B-A3B token uses ~3B of the 30B; counting all would put MFU 10x too high).
+
 Attention's score and value matmuls (quadratic in the sequence length) are left out: at RL sequence lengths they
 are a few percent, and leaving them out keeps the MFU figure conservative. Re-computation is not counted either.
 """
@@ -22,8 +25,10 @@ def body_flops_per_token(args: HFModelArgs) -> float:
     """Forward FLOPs per token of the transformer layers' linear layers (no embedding, no output layer)."""
     h, d = args.hidden_size, args.head_dim
     attention = h * d * (args.num_attention_heads + 2 * args.num_query_groups) + args.num_attention_heads * d * h
-    mlp = 3 * h * args.ffn_hidden_size  # gate, up (h -> F each) and down (F -> h)
-    return 2.0 * args.num_layers * (attention + mlp)
+    dense_mlp = 3 * h * args.ffn_hidden_size  # gate, up (h -> F each) and down (F -> h)
+    moe_mlp = (h * args.num_experts + args.moe_topk * 3 * h * args.moe_ffn_hidden_size) if args.is_moe else 0
+    moe_layers = len(args.moe_layers)
+    return 2.0 * (args.num_layers * attention + (args.num_layers - moe_layers) * dense_mlp + moe_layers * moe_mlp)
 
 
 def output_layer_flops_per_token(args: HFModelArgs) -> float:

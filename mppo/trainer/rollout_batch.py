@@ -9,6 +9,9 @@ Row r of the batch is sample `r % n` of prompt `r // n` (prompt-major, as engine
     responses      [B·n, T]    T = max_response_length (fixed, so every rank and micro-batch agrees on shapes)
     response_mask  [B·n, T]    1 on tokens in the loss: generated ones (0 on a multi-turn response's tool turns)
     rollout_log_probs [B·n, T] the engine's log-probs (diagnostics: rollout vs actor mismatch)
+    routed_experts [B·n, P+T, MoE layers, top_k] int32, when the engine recorded them (routing replay R3): the
+                   experts each MoE layer chose for each token, by input_ids column; columns the engine did not run
+                   (padding, the last response token) hold experts 0..k-1
     num_tool_calls [B·n]       multi-turn responses only (mppo.rollout.agent_loop): tool calls per response
 """
 from __future__ import annotations
@@ -49,7 +52,7 @@ def build_rollout_batch(prompts: PromptBatch, responses: Sequence[RolloutRespons
     prompt_ids = prompts.input_ids.repeat_interleave(n, dim=0)
     prompt_mask = prompts.attention_mask.repeat_interleave(n, dim=0)
     attention_mask = torch.cat([prompt_mask, valid], dim=1)
-    return {
+    batch = {
         "input_ids": torch.cat([prompt_ids, responses_t], dim=1),
         "attention_mask": attention_mask,
         "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
@@ -61,6 +64,26 @@ def build_rollout_batch(prompts: PromptBatch, responses: Sequence[RolloutRespons
         "uid": prompts.indices.repeat_interleave(n),
         **multi_turn,  # num_tool_calls [B·n]: tool calls of each multi-turn response
     }
+    if responses and getattr(responses[0], "routed_experts", None) is not None:  # AgentResponse has none
+        batch["routed_experts"] = _routes_by_column(responses, prompt_mask, max_response_length)
+    return batch
+
+
+def _routes_by_column(responses: Sequence[RolloutResponse], prompt_mask: torch.Tensor,
+                      max_response_length: int) -> torch.Tensor:
+    """Each response's routes (its prompt's tokens, then its fed response tokens) at their input_ids columns:
+    the prompt is left-padded to P columns, the response starts at column P."""
+    rows, width = prompt_mask.shape
+    layers, k = responses[0].routed_experts.shape[1:]
+    out = torch.arange(k, dtype=torch.int32).expand(rows, width + max_response_length, layers, k).clone()
+    for r, resp in enumerate(responses):
+        prompt_len = int(prompt_mask[r].sum())
+        routes = resp.routed_experts
+        if routes.shape[0] != prompt_len + len(resp.token_ids) - 1:
+            raise ValueError(f"engine returned routes for {routes.shape[0]} tokens of prompt {resp.prompt_index}, "
+                             f"expected prompt {prompt_len} + response {len(resp.token_ids)} - 1")
+        out[r, width - prompt_len:width - prompt_len + routes.shape[0]] = routes
+    return out
 
 
 def all_gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

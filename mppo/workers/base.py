@@ -15,6 +15,8 @@ from mppo.models.hf_config import HFModelArgs, read_hf_config
 from mppo.models.weights import load_hf_weights
 from mppo.parallel import ParallelDims, ParallelLayoutError
 from mppo.workers.batching import Batch
+from mppo.workers.moe_losses import moe_loss_overrides
+from mppo.workers.router_replay import router_replay_overrides
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -58,13 +60,16 @@ def recompute_overrides(recompute: str | None, device: torch.device) -> dict:
 
 
 def build_role_model(hf_dir: str | Path, dims: ParallelDims, *, role: Role, model_cfg: ModelConfig,
-                     megatron: MegatronConfig) -> tuple[HFModelArgs, list[nn.Module], torch.dtype]:
-    """(HF facts, model chunks with the HF weights loaded, dtype) for a role."""
+                     megatron: MegatronConfig,
+                     router_replay: str = "disabled") -> tuple[HFModelArgs, list[nn.Module], torch.dtype]:
+    """(HF facts, model chunks with the HF weights loaded, dtype) for a role (`router_replay`: the actor's mode)."""
     check_layout(megatron, dims, role)
     args = read_hf_config(hf_dir)
     dtype = resolve_dtype(model_cfg, dims)
+    losses = moe_loss_overrides(megatron, is_moe=args.is_moe) if role != "ref" else {}
     chunks = build_gpt_model(args, dims, role=role, dtype=dtype, transformer_impl=model_cfg.transformer_impl,
-                             **recompute_overrides(megatron.recompute, dims.device))
+                             **recompute_overrides(megatron.recompute, dims.device), **losses,
+                             **router_replay_overrides(router_replay, is_moe=args.is_moe))
     load_hf_weights(chunks, hf_dir, args)
     return args, chunks, dtype
 

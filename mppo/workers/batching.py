@@ -6,6 +6,8 @@ Batch layout (B rows, P prompt columns, T response columns):
   responses, response_mask                 [B, T]    responses == input_ids[:, P:]
   update inputs, all [B, T]: old_log_probs, advantages (actor); values, returns (critic); ref_log_prob,
   rollout_is_weights (optional).
+  routed_experts [B, P+T, MoE layers, top_k] (optional): the rollout engine's experts of each token, which the
+  actor replays (mppo.workers.router_replay); compacted into micro-batches like input_ids.
 Log-probs and values are about the T response columns only.
 
 megatron's rotary embedding uses positions 0..s-1 and its attention is causal only, so a micro-batch is
@@ -31,6 +33,7 @@ SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
 RESPONSE_KEYS = ("responses", "response_mask")
 # Optional [B, T] inputs of the updates, carried into micro-batches when present.
 UPDATE_KEYS = ("old_log_probs", "advantages", "values", "returns", "ref_log_prob", "rollout_is_weights")
+ROUTES_KEY = "routed_experts"  # optional [B, P+T, MoE layers, top_k], by input_ids column
 
 
 class BatchError(ValueError):
@@ -56,6 +59,9 @@ def validate_batch(batch: Batch, required: Sequence[str] = ()) -> tuple[int, int
     for key in (*RESPONSE_KEYS, *(k for k in UPDATE_KEYS if k in batch)):
         if tuple(batch[key].shape) != (rows, t):
             raise BatchError(f"{key} must be [B, T] = {(rows, t)}, got {tuple(batch[key].shape)}")
+    if ROUTES_KEY in batch and tuple(batch[ROUTES_KEY].shape[:2]) != (rows, width):
+        raise BatchError(f"{ROUTES_KEY} must be [B, P+T, layers, k] with [B, P+T] = {(rows, width)}, got "
+                         f"{tuple(batch[ROUTES_KEY].shape)}")
     if not torch.equal(ids[:, width - t:], responses):
         raise BatchError("responses differ from input_ids[:, -T:]; input_ids must be prompt ++ response")
     mask = batch["attention_mask"].bool()
@@ -108,6 +114,13 @@ def make_micro_batch(batch: Batch, rows: torch.Tensor) -> MicroBatch:
     for key in (*RESPONSE_KEYS, *UPDATE_KEYS):
         if key in batch:
             data[key] = batch[key][rows]
+    if ROUTES_KEY in batch:  # compacted like input_ids; padding columns route to experts 0..k-1
+        routes = batch[ROUTES_KEY][rows]
+        k = routes.shape[-1]
+        compact_routes = torch.arange(k, dtype=routes.dtype, device=routes.device).expand(
+            b, length, *routes.shape[2:]).clone()
+        compact_routes[row_of[mask], dest[mask]] = routes[mask]
+        data[ROUTES_KEY] = compact_routes
     return MicroBatch(rows=rows, data=data, real_tokens=int(mask.sum()))
 
 
@@ -237,6 +250,11 @@ def pad_to_uniform(micro_batches: Sequence[MicroBatch]) -> list[dict[str, torch.
         b, s = mb.data["input_ids"].shape
         out = {}
         for key, t in mb.data.items():
+            if key == ROUTES_KEY:  # [b, s, layers, k]: padding tokens route to experts 0..k-1 (k distinct ones)
+                k = t.shape[-1]
+                out[key] = torch.arange(k, dtype=t.dtype, device=t.device).expand(rows, length, *t.shape[2:]).clone()
+                out[key][:b, :s] = t
+                continue
             extra_cols = length - s if key == "input_ids" else 0
             out[key] = torch.nn.functional.pad(t, (0, extra_cols, 0, rows - b))
         padded.append(out)

@@ -30,6 +30,7 @@ from torch import nn
 from mppo.models.builders import unwrap_model
 from mppo.parallel import collective_device
 from mppo.workers.batching import TOKEN_COUNTER, MicroBatch, make_micro_batches, pad_to_uniform, scatter_rows
+from mppo.workers.router_replay import replaying, require_routes
 
 Batch = Mapping[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -56,6 +57,7 @@ def run_pipeline(model_chunks: Sequence[nn.Module], micro_batches: Sequence[Batc
     if len(model_chunks) > 1 and n % pp != 0:
         raise ValueError(f"the interleaved pipeline schedule (vpp={len(model_chunks)}) needs a number of "
                          f"micro-batches divisible by pp={pp}, got {n}; split or merge micro-batches")
+    require_routes(model_chunks, micro_batches)  # on every rank before the schedule, not in one stage's forward
     shapes = {tuple(mb["input_ids"].shape) for mb in micro_batches}
     if needs_uniform_shapes(model_chunks) and len(shapes) > 1:
         raise ValueError(f"this pipeline (interleaved, pp={pp}) needs micro-batches of one shape, got "
@@ -149,7 +151,8 @@ def response_forward_step(make_loss_fn: Callable[[nn.Module, Batch], LossFn], *,
 
     def forward_step(model: nn.Module, batch: Batch):
         last = unwrap_model(model).post_process
-        output = stage_forward(model, batch["input_ids"], hidden_only=hidden_only and last)
+        with replaying(model, batch):  # the rollout's MoE routes, for an actor built to replay them
+            output = stage_forward(model, batch["input_ids"], hidden_only=hidden_only and last)
         return output, (make_loss_fn(model, batch) if last else None)
 
     return forward_step

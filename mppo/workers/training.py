@@ -18,6 +18,7 @@ from mppo.core_algos import GlobalBatchInfo
 from mppo.parallel import ParallelDims
 from mppo.workers.base import StepMetrics, mean_metrics
 from mppo.workers.batching import Batch, BatchError, global_batch_info, mini_batch_rows
+from mppo.workers.moe_losses import MoELossMeter
 from mppo.workers.optim import current_lr, forward_backward, optimizer_step
 from mppo.workers.pipeline import ForwardStep, LossFn, micro_batches_for, pipeline_inputs, response_forward_step
 
@@ -138,10 +139,13 @@ class TrainLoop:
         then one LR schedule step. Returns the global metrics (the same on every rank): the mean over optimizer
         steps of `metric_keys`, and `{role}/grad_norm` (mean over applied steps), `{role}/lr` (the LR the steps
         used), `{role}/skipped_optimizer_steps` and `skipped` (a mini-batch whose loss or gradients were not
-        finite was not applied). `hidden_only`: the last stage hands its final hidden states to the loss instead
-        of its output layer's; `on_step(mini_batch, result)` sees each step (e.g. to collect its outputs)."""
+        finite was not applied), and `{role}/moe_aux_loss`, `{role}/moe_z_loss` for a MoE model with those losses
+        on (mppo.workers.moe_losses; read once per update). `hidden_only`: the last stage hands its final hidden
+        states to the loss instead of its output layer's; `on_step(mini_batch, result)` sees each step (e.g. to
+        collect its outputs)."""
         lr = current_lr(self.optimizer)
         steps, grad_norms, skipped = [], [], 0
+        moe_losses = MoELossMeter.start(self.model, self.role)
         for mini in self.mini_batches(batch, scheduler.num_steps):
             metrics, info = StepMetrics(metric_keys), mini.info
             step = response_forward_step(lambda model, data: make_loss_fn(model, data, info, metrics),
@@ -159,5 +163,6 @@ class TrainLoop:
         out[f"{self.role}/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
         out[f"{self.role}/lr"] = lr
         out[f"{self.role}/skipped_optimizer_steps"] = skipped
+        out.update(moe_losses.finish())  # {role}/moe_aux_loss, {role}/moe_z_loss when the model has them on
         out["skipped"] = skipped > 0
         return out

@@ -2,6 +2,10 @@
 PPOTrainer (same model and seed: the same initial weights, prompts and rollouts), then either runs one train_step
 and records its metrics and the updated actor weights (as full HF tensors), or runs `fit()` to its end.
 
+Kind "step_engine_routers_perturbed" is a step whose rollout engine serves router weights slightly off the actor's
+(ENGINE_ROUTER_NOISE x each router matrix's std, the same noise on every rank and step): a controlled source of
+train-rollout routing mismatch, as a bf16 or quantised engine has, for the routing-replay cases.
+
 Rank R writes out/rank{R}.json: {case: {"metrics": ..., "weights_diff": ...}}; fit cases leave their metrics in
 their run directory's metrics.jsonl. The updated weights of a step case are compared in this process with those of
 its reference case (`weights_diff`: max |a - b| over every HF tensor).
@@ -27,11 +31,34 @@ def build(config: str, overrides: list[str]):
     return PPOTrainer(load_config(config, overrides, world_size=int(os.environ["WORLD_SIZE"])))
 
 
-def one_step(config: str, overrides: list[str]) -> tuple[dict, dict[str, torch.Tensor]]:
+ENGINE_ROUTER_NOISE = 0.05
+
+
+def perturb_engine_routers(engine, relative: float) -> None:
+    """Every later update_weights of `engine` adds relative x std x N(0, 1) noise (seeded by the weight's name)
+    to the MoE router weights (`*.mlp.gate.weight`); the actor keeps its own."""
+    import zlib
+
+    from mppo.rollout.base import iter_weight_buckets
+
+    def noisy(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not name.endswith("mlp.gate.weight"):
+            return tensor
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        return tensor + relative * tensor.float().std() * torch.randn(tensor.shape, generator=g).to(tensor.dtype)
+
+    original = engine.update_weights
+    engine.update_weights = lambda stream: original(
+        [(name, noisy(name, t)) for name, t in bucket] for bucket in iter_weight_buckets(stream))
+
+
+def one_step(config: str, overrides: list[str], perturb: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
     from mppo.models.weights import iter_hf_weights
     from mppo.parallel import destroy
 
     trainer = build(config, overrides)
+    if perturb:
+        perturb_engine_routers(trainer.rollout.engine, ENGINE_ROUTER_NOISE)
     prompts = next(iter(trainer.data.train_loader))
     metrics = {k: float(v) for k, v in trainer.train_step(prompts).items()}
     weights = {name: t.clone() for name, t in iter_hf_weights(trainer.actor.model, trainer.actor.hf_args)}
@@ -58,7 +85,8 @@ def run(args, result: dict) -> None:
         if kind == "fit":
             result[name] = fit(args.config, overrides)
             continue
-        result[name], weights[name] = one_step(args.config, overrides)
+        result[name], weights[name] = one_step(args.config, overrides,
+                                               perturb=kind == "step_engine_routers_perturbed")
         if reference is not None:
             ref = weights[reference]
             assert sorted(ref) == sorted(weights[name])
@@ -68,7 +96,8 @@ def run(args, result: dict) -> None:
 def main() -> None:
     def arguments(p):
         p.add_argument("--config", required=True)
-        p.add_argument("--cases", required=True, help='JSON {name: ["step" | "fit", overrides, reference case | null]}')
+        p.add_argument("--cases", required=True, help='JSON {name: ["step" | "step_engine_routers_perturbed" | "fit", '
+                                                       'overrides, reference case | null]}')
 
     rank_main(run, add_arguments=arguments, process_group=False)
 
