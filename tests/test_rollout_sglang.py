@@ -271,6 +271,52 @@ def test_response_parsing_and_its_errors():
         parse_generate_output(outputs, [(0, 0), (0, 1)])
 
 
+def test_routed_experts_keep_the_moe_layers_of_every_token_but_the_last(tmp_path):
+    """SGLang's routes (base64 int32 [prompt + output - 1, all hidden layers, k], encoded as its detokenizer does)
+    become RolloutResponse.routed_experts of the MoE layers only; the layout comes from the model's config.json."""
+    import base64
+    import json
+
+    import numpy as np
+
+    from mppo.rollout.sglang_protocol import RouteLayout
+
+    model = tmp_path / "moe"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "vocab_size": 100, "hidden_size": 16, "intermediate_size": 32,
+        "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+        "max_position_embeddings": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+        "mlp_only_layers": [1]}))
+    layout = RouteLayout.of_model(str(model))
+    assert layout == RouteLayout(num_layers=4, moe_layers=(0, 2, 3), top_k=2)
+    prompt, output = [9, 8, 7], [4, 3]
+    every_layer = np.random.default_rng(0).integers(0, 8, size=(len(prompt) + len(output) - 1, 4, 2), dtype=np.int32)
+    every_layer[:, 1] = 0  # SGLang never writes a dense layer's rows
+    outputs = [{"output_ids": output, "meta_info": {
+        "finish_reason": {"type": "length"}, "output_token_logprobs": [(-0.5, 4, None), (-1.5, 3, None)],
+        "routed_experts": base64.b64encode(every_layer.tobytes()).decode("utf-8")}}]
+    (r,) = parse_generate_output(outputs, [(0, 0)], routes=layout, prompt_lengths=[len(prompt)])
+    assert r.routed_experts.dtype == torch.int32
+    assert r.routed_experts.tolist() == every_layer[:, [0, 2, 3]].tolist()
+    with pytest.raises(SGLangError, match="expected 3 tokens x 4 layers x top-2"):  # a prompt length off by one
+        parse_generate_output(outputs, [(0, 0)], routes=layout, prompt_lengths=[2])
+    del outputs[0]["meta_info"]["routed_experts"]
+    with pytest.raises(SGLangError, match="enable_return_routed_experts"):
+        parse_generate_output(outputs, [(0, 0)], routes=layout, prompt_lengths=[3])
+    args = engine_server_args(str(model), tp_size=1, gpu_memory_utilization=0.5, dtype="float32", base_gpu_id=0,
+                              seed=0, return_routed_experts=True)
+    assert args["enable_return_routed_experts"] is True
+    assert "enable_return_routed_experts" not in engine_server_args(
+        str(model), tp_size=1, gpu_memory_utilization=0.5, dtype="float32", base_gpu_id=0, seed=0)
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    config = json.loads((model / "config.json").read_text())
+    (dense / "config.json").write_text(json.dumps({**config, "model_type": "qwen3"}))
+    with pytest.raises(SGLangError, match="no MoE layer"):
+        RouteLayout.of_model(str(dense))
+
+
 def test_weight_sync_session_buckets_and_bitwise_weights():
     ipc = InProcessIPC()
     api, engines = fake_api(ipc)

@@ -7,6 +7,10 @@ which the rest of the test session must not see. One subprocess checks, against 
 - a stop token ends a sample and is included; new weights change the log-probs and match HF again;
 - a start-up failure in SGLang's scheduler process (a KV pool too small for one request) is one EngineStartError
   line in seconds after SGLang gives up, naming the cause and SGLang's log, with no SGLang process left behind.
+Then, in the same subprocess, a tiny random Qwen3 (qwen3) and Qwen3-MoE (qwen3_moe, 4 experts top-2, one dense
+layer; tests/dist/models_fixtures.py), each served by its own engine: log-probs (greedy, sampled) equal HF's, new
+weights (experts and routers included) reach the engine; the Qwen3-MoE engine returns its routed experts
+(return_routed_experts: routing replay), equal to HF's router top-k on the same tokens (ties aside).
 """
 from __future__ import annotations
 
@@ -22,7 +26,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_against_real_sglang_engine_on_cpu(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(Path(__file__).parent)])}
+    tests = Path(__file__).parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(tests),
+                                                                               str(tests / "dist")])}
     code = f"from test_rollout_sglang_cpu import run_tier; run_tier({str(tmp_path)!r})"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
@@ -42,6 +48,17 @@ def test_against_real_sglang_engine_on_cpu(tmp_path):
     assert str(tmp_path / "failing.log") in fail["message"], fail
     assert fail["seconds_after_sglang_gave_up"] < 15, fail
     assert fail["children_left"] == [], fail
+
+    for name in ("qwen3_tied", "qwen3_moe"):
+        q = result[name]
+        assert q["greedy_log_prob_error"] < 1e-5 and q["sampled_log_prob_error"] < 1e-5, (name, q)
+        assert q["changed_weight_log_prob_shift"] > 1e-2 and q["changed_weight_log_prob_error"] < 1e-5, (name, q)
+    routes = result["qwen3_moe"]["routes"]
+    # every token but the last of each response, the 3 MoE layers of 4 (layer 1 is dense), top-2; as the CPU engine
+    assert routes["shape_equal"] and routes["rows"] > 0, routes
+    assert routes["different_not_tie"] == 0, routes
+    assert result["qwen3_moe"]["routes_after_change"]["different_not_tie"] == 0, result["qwen3_moe"]
+    assert result["qwen3_moe"]["routes_equal_cpu_engine"], result["qwen3_moe"]
 
 
 def run_tier(out_dir: str) -> None:
@@ -110,6 +127,8 @@ def run_tier(out_dir: str) -> None:
         abs(a - b) for before, after in zip(got, changed) for a, b in zip(before.log_probs[:1], after.log_probs[:1]))
     result["changed_weight_log_prob_error"] = recompute_error(source, changed, 1.0)
     engine.shutdown()
+    for name in ("qwen3_tied", "qwen3_moe"):
+        result[name] = qwen3_tier(name, Path(out_dir) / name)
     (Path(out_dir) / "result.json").write_text(json.dumps(result))
     print(json.dumps(result))
 
@@ -133,4 +152,76 @@ def start_failure(model_dir: Path, log_path: Path) -> dict:
         # when SGLang's scheduler logged its failure (the log file's last write) to when the error was raised
         out["seconds_after_sglang_gave_up"] = raised - log_path.stat().st_mtime
     out["children_left"] = [p.pid for p in psutil.Process().children(recursive=True)]
+    return out
+
+
+def qwen3_tier(name: str, out_dir: Path) -> dict:
+    """One engine serving the tiny Qwen3 `name` (tests/dist/models_fixtures.py); weights pushed in checkpoint format
+    (per-expert tensors, as the exporter streams them)."""
+    import safetensors.torch
+
+    from hf_reference import hf_router_top_k, hf_token_log_probs, route_disagreements
+    from models_fixtures import load_hf_model, make_hf_model
+
+    from mppo.rollout import SamplingParams
+    from mppo.rollout.cpu_engine import CPURolloutEngine
+    from mppo.rollout.sglang_engine import SGLangRolloutEngine
+
+    moe = name == "qwen3_moe"
+    source = make_hf_model(name, out_dir / "model")
+    engine = SGLangRolloutEngine(str(out_dir / "model"), gpu_memory_utilization=0.3, dtype="float32", on_cpu=True,
+                                 max_total_tokens=4096, log_path=out_dir / "sglang.log", name=f"the {name} engine",
+                                 return_routed_experts=moe)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]
+
+    def push(model_dir: Path) -> None:
+        state = list(safetensors.torch.load_file(str(model_dir / "model.safetensors")).items())
+        engine.update_weights([state[i: i + 8] for i in range(0, len(state), 8)])
+
+    def error(model, responses, temperature):
+        return max((hf_token_log_probs(model, prompts[r.prompt_index], r.token_ids, temperature)
+                    - torch.tensor(r.log_probs)).abs().max().item() for r in responses)
+
+    def routes(model, responses) -> dict:
+        total: dict = {"rows": 0, "different": 0, "different_not_tie": 0, "shape_equal": True}
+        for r in responses:
+            one = route_disagreements(r.routed_experts, *hf_router_top_k(model, prompts[r.prompt_index], r.token_ids))
+            total = {key: (total[key] and one[key]) if key == "shape_equal" else total[key] + one[key]
+                     for key in total}
+        return total
+
+    out: dict = {}
+    push(out_dir / "model")
+    greedy = SamplingParams(do_sample=False, max_new_tokens=8)
+    got = engine.generate(prompts, greedy, step=0)
+    out["greedy_log_prob_error"] = error(source, got, 1.0)
+    sampled = engine.generate(prompts, SamplingParams(n=2, temperature=0.8, top_k=50, max_new_tokens=8), step=0)
+    out["sampled_log_prob_error"] = error(source, sampled, 0.8)
+    if moe:
+        out["routes"] = routes(source, got + sampled)
+        cpu_engine = CPURolloutEngine(source.config, record_routed_experts=True)
+        cpu_engine.update_weights(safetensors.torch.load_file(str(out_dir / "model" / "model.safetensors")).items())
+        on_cpu = cpu_engine.generate(prompts, greedy, step=0)
+        out["routes_equal_cpu_engine"] = all(
+            a.token_ids == b.token_ids and torch.equal(a.routed_experts.sort(-1).values,
+                                                       b.routed_experts.sort(-1).values)
+            for a, b in zip(got, on_cpu))
+    with torch.no_grad():  # new weights everywhere a wrong sync would show: the final norm, routers, experts
+        for pname, p in source.named_parameters():
+            if pname == "model.norm.weight":
+                p.mul_(3.0)
+            elif "mlp" in pname:
+                p.add_(0.05 * torch.randn_like(p))
+    source.save_pretrained(out_dir / "changed", safe_serialization=True)
+    changed_model = load_hf_model(out_dir / "changed")  # HF's own reading of the pushed files: the reference
+    engine.release()
+    push(out_dir / "changed")
+    engine.resume()
+    changed = engine.generate(prompts, greedy, step=0)
+    out["changed_weight_log_prob_shift"] = max(
+        abs(a - b) for before, after in zip(got, changed) for a, b in zip(before.log_probs[:1], after.log_probs[:1]))
+    out["changed_weight_log_prob_error"] = error(changed_model, changed, 1.0)
+    if moe:
+        out["routes_after_change"] = routes(changed_model, changed)
+    engine.shutdown()
     return out

@@ -180,7 +180,8 @@ def _sglang_engine(spec: EngineSpec) -> RolloutEngine:
         tp_group=spec.tp_group, dtype=_SGLANG_DTYPES[spec.dtype],
         base_gpu_id=layout.base_gpu_id if base_gpu_id is None else base_gpu_id,
         seed=engine_seed(cfg.trainer.seed, layout.group_index), on_cpu=on_cpu, max_total_tokens=max_total_tokens,
-        log_path=spec.log_dir / f"sglang_group{layout.group_index}.log", name=name)
+        log_path=spec.log_dir / f"sglang_group{layout.group_index}.log", name=name,
+        return_routed_experts=cfg.actor_rollout_ref.actor.router_replay.mode == "R3")
 
 
 def engine_seed(run_seed: int, group_index: int) -> int:

@@ -23,6 +23,10 @@ stop_token_ids. sampling_seed is honoured only with enable_deterministic_inferen
 (`on_cpu=True`, mppo.rollout.sglang_cpu) SGLang has neither deterministic inference nor the memory saver: seeds
 are ignored and release() frees nothing; that module says exactly what holds there.
 
+Routing replay (R3): with `return_routed_experts=True` the server records the experts each MoE layer chose
+(enable_return_routed_experts), every request asks for them, and each RolloutResponse carries the MoE layers'
+rows (SGLang's layer axis spans all hidden layers) for every token but the last, as the CPU engine's do.
+
 Start-up failures become one EngineStartError (mppo.rollout.sglang_startup), with SGLang's output in `log_path`.
 """
 from __future__ import annotations
@@ -40,6 +44,7 @@ from mppo.rollout.sglang_protocol import (
     RELEASE_TAGS,
     RESUME_KV_TAGS,
     RESUME_WEIGHT_TAGS,
+    RouteLayout,
     SGLangAPI,
     SGLangError,
     build_generate_request,
@@ -108,8 +113,11 @@ class SGLangRolloutEngine(RolloutEngine):
         max_total_tokens: int | None = None,
         log_path: Path | None = None,
         name: str = "the rollout engine",
+        return_routed_experts: bool = False,
     ) -> None:
         super().__init__()
+        # the routed experts' layout (read before SGLang starts: a dense model fails here, in one line)
+        self._routes = RouteLayout.of_model(model_path) if return_routed_experts else None
         self._api = api if api is not None else load_sglang_api(on_cpu=on_cpu)
         self._group = RolloutGroup(tp_group)
         self.on_cpu = on_cpu
@@ -123,6 +131,7 @@ class SGLangRolloutEngine(RolloutEngine):
             extra=server_args,
             on_cpu=on_cpu,
             max_total_tokens=max_total_tokens,
+            return_routed_experts=return_routed_experts,
         )
         # The sglang.Engine on the driver; None on the other ranks of the group.
         self._engine: Any = self._on_driver(
@@ -159,8 +168,13 @@ class SGLangRolloutEngine(RolloutEngine):
 
         def run() -> list[RolloutResponse]:
             input_ids, params, keys = build_generate_request(prompt_token_ids, sampling, step, prompt_indices)
-            outputs = self._engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True)
-            return parse_generate_output(outputs, keys)
+            if self._routes is None:
+                outputs = self._engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True)
+                return parse_generate_output(outputs, keys)
+            outputs = self._engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True,
+                                            return_routed_experts=True)
+            return parse_generate_output(outputs, keys, routes=self._routes,
+                                         prompt_lengths=[len(ids) for ids in input_ids])
 
         return self._on_driver(run)
 

@@ -5,7 +5,9 @@ without sglang (tests pass fakes shaped like SGLang 0.5.23's API).
 SGLang API used (0.5.23, python/sglang/srt/entrypoints/engine.py):
   Engine(**server_args); generate(input_ids=[[...]], sampling_params=[{...}], return_logprob=True) -> list of
   {"output_ids": [...], "meta_info": {"finish_reason": {"type": "stop"|"length"|"abort", ...},
-  "output_token_logprobs": [(logprob, token_id, None), ...]}} in request order;
+  "output_token_logprobs": [(logprob, token_id, None), ...]}} in request order; with return_routed_experts=True
+  (server started with enable_return_routed_experts) also meta_info["routed_experts"], a base64 string of int32
+  [prompt + output - 1, num_hidden_layers, num_experts_per_tok] (sglang.srt.state_capturer.routed_experts);
   begin_weight_update() / end_weight_update() -> (success, message); update_weights_from_tensor(named_tensors=
   [one serialized payload per engine TP rank], load_format="flattened_bucket", flush_cache=False) ->
   (success, message); flush_cache() -> object with .success; release_memory_occupation(tags) /
@@ -13,11 +15,13 @@ SGLang API used (0.5.23, python/sglang/srt/entrypoints/engine.py):
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
 import importlib.metadata
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
@@ -45,6 +49,33 @@ RESUME_KV_TAGS = ["kv_cache", "cuda_graph"]
 
 class SGLangError(RuntimeError):
     """SGLang reported a failure (weight update, generation abort, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteLayout:
+    """How SGLang's routed experts map to RolloutResponse.routed_experts (routing replay, R3): SGLang records every
+    hidden layer (a dense layer's rows are zeros), mppo keeps the MoE layers' rows in layer order."""
+
+    num_layers: int  # num_hidden_layers: SGLang's layer axis
+    moe_layers: tuple[int, ...]  # the MoE layers' indices (mppo.models.hf_config.HFModelArgs.moe_layers)
+    top_k: int  # num_experts_per_tok
+
+    @classmethod
+    def of_model(cls, model_path: str) -> "RouteLayout":
+        from mppo.models.hf_config import read_hf_config
+
+        args = read_hf_config(model_path)
+        if not args.moe_layers:
+            raise SGLangError(f"routed experts requested, but the model at {model_path!r} has no MoE layer")
+        return cls(num_layers=args.num_layers, moe_layers=tuple(args.moe_layers), top_k=args.moe_topk)
+
+    def decode(self, encoded: str, tokens: int) -> torch.Tensor:
+        """SGLang's base64 routes of one request -> [tokens, MoE layers, top_k] int32."""
+        flat = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.int32)
+        if flat.numel() != tokens * self.num_layers * self.top_k:
+            raise SGLangError(f"SGLang returned {flat.numel()} routed-expert ids, expected {tokens} tokens x "
+                              f"{self.num_layers} layers x top-{self.top_k}")
+        return flat.view(tokens, self.num_layers, self.top_k)[:, list(self.moe_layers)].clone()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,12 +132,14 @@ def engine_server_args(
     extra: dict[str, Any] | None = None,
     on_cpu: bool = False,
     max_total_tokens: int | None = None,
+    return_routed_experts: bool = False,
 ) -> dict[str, Any]:
     """Keyword arguments for sglang.Engine. `model_path` is an HF directory; only its config is read.
 
     `on_cpu`: SGLang's CPU tier (mppo.rollout.sglang_cpu.CPU_SERVER_ARGS replace the memory saver and deterministic
     inference). `max_total_tokens` caps the KV pool (on the CPU the pool is host memory; None: SGLang sizes it from
-    `gpu_memory_utilization`).
+    `gpu_memory_utilization`). `return_routed_experts`: the engine records the experts every MoE layer chose
+    (routing replay, R3).
     """
     if not 0.0 < gpu_memory_utilization < 1.0:
         raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1), got {gpu_memory_utilization}")
@@ -117,6 +150,8 @@ def engine_server_args(
         fixed.update(CPU_SERVER_ARGS)
     if max_total_tokens is not None:
         fixed["max_total_tokens"] = int(max_total_tokens)
+    if return_routed_experts:
+        fixed["enable_return_routed_experts"] = True
     extra = dict(extra or {})
     clashes = sorted(set(extra) & set(fixed))
     if clashes:
@@ -163,12 +198,17 @@ def build_generate_request(
     return input_ids, params, keys
 
 
-def parse_generate_output(outputs: list[dict[str, Any]], keys: list[tuple[int, int]]) -> list[RolloutResponse]:
-    """Map SGLang's per-request outputs (same order as the requests) to RolloutResponses."""
+def parse_generate_output(outputs: list[dict[str, Any]], keys: list[tuple[int, int]], *,
+                          routes: RouteLayout | None = None,
+                          prompt_lengths: list[int] | None = None) -> list[RolloutResponse]:
+    """Map SGLang's per-request outputs (same order as the requests) to RolloutResponses.
+
+    `routes`: the requests asked for routed experts; each response gets the MoE layers' routes of every token but
+    the last (`prompt_lengths[i]` prompt tokens + its response), the CPU engine's alignment."""
     if len(outputs) != len(keys):
         raise SGLangError(f"SGLang returned {len(outputs)} outputs for {len(keys)} requests")
     responses = []
-    for out, (prompt_index, sample_index) in zip(outputs, keys):
+    for i, (out, (prompt_index, sample_index)) in enumerate(zip(outputs, keys)):
         meta = out["meta_info"]
         finish = meta["finish_reason"]
         if finish is None or finish.get("type") not in ("stop", "length"):
@@ -181,6 +221,12 @@ def parse_generate_output(outputs: list[dict[str, Any]], keys: list[tuple[int, i
                 f"SGLang's output_token_logprobs do not match output_ids for prompt {prompt_index} sample "
                 f"{sample_index} ({len(logprob_ids)} vs {len(token_ids)} tokens)"
             )
+        experts = None
+        if routes is not None:
+            if not meta.get("routed_experts"):
+                raise SGLangError(f"SGLang returned no routed experts for prompt {prompt_index} sample "
+                                  f"{sample_index} (was the server started with enable_return_routed_experts?)")
+            experts = routes.decode(meta["routed_experts"], prompt_lengths[i] + len(token_ids) - 1)
         responses.append(
             RolloutResponse(
                 prompt_index=prompt_index,
@@ -188,6 +234,7 @@ def parse_generate_output(outputs: list[dict[str, Any]], keys: list[tuple[int, i
                 token_ids=token_ids,
                 log_probs=[float(entry[0]) for entry in logprob_entries],
                 finish_reason=finish["type"],
+                routed_experts=experts,
             )
         )
     return responses
