@@ -1,38 +1,26 @@
 """SGLangRolloutEngine against a REAL sglang.Engine (0.5.23) on the CPU: SGLang's CPU tier, installed by `make sglang`
 (mppo.rollout.sglang_cpu has its stand-ins and says what works there).
 
-It runs in a subprocess: SGLang on the CPU changes the process (SGLANG_USE_CPU_ENGINE, the stand-ins on sys.path),
-which the rest of the test session must not see. One subprocess checks, against a random tiny Qwen2:
+The checks run inside the one SGLang launch of the suite (tests/sglang_launch.py: a torchrun launch of
+tests/dist/trainer_sglang.py, shared with tests/test_trainer_sglang.py; SGLang on the CPU changes the process,
+SGLANG_USE_CPU_ENGINE and the stand-ins on sys.path, which the test session must not see). Its rank 0, against a
+random tiny Qwen2 (tests/dist/sglang_tier.py):
 - greedy tokens equal the CPU engine's, and log-probs (greedy; sampled, temperature-scaled) equal an HF recompute;
 - a stop token ends a sample and is included; new weights change the log-probs and match HF again;
 - a start-up failure in SGLang's scheduler process (a KV pool too small for one request) is one EngineStartError
   line in seconds after SGLang gives up, naming the cause and SGLang's log, with no SGLang process left behind.
-Then, in the same subprocess, a tiny random Qwen3 (qwen3) and Qwen3-MoE (qwen3_moe, 4 experts top-2, one dense
-layer; tests/dist/models_fixtures.py), each served by its own engine: log-probs (greedy, sampled) equal HF's, new
-weights (experts and routers included) reach the engine; the Qwen3-MoE engine returns its routed experts
-(return_routed_experts: routing replay), equal to HF's router top-k on the same tokens (ties aside).
+Its rank 1, meanwhile, a tiny random Qwen3 (qwen3) and Qwen3-MoE (qwen3_moe, 4 experts top-2, one dense layer;
+tests/dist/models_fixtures.py), each served by its own engine: log-probs (greedy, sampled) equal HF's, new weights
+(experts and routers included) reach the engine; the Qwen3-MoE engine returns its routed experts
+(return_routed_experts, for routing replay), equal to HF's router top-k on the same tokens (ties aside) and to the
+CPU engine's routes.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-import torch
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def test_against_real_sglang_engine_on_cpu(tmp_path):
-    tests = Path(__file__).parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(tests),
-                                                                               str(tests / "dist")])}
-    code = f"from test_rollout_sglang_cpu import run_tier; run_tier({str(tmp_path)!r})"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    result = json.loads((tmp_path / "result.json").read_text())
+def test_against_real_sglang_engine_on_cpu(sglang_launch):
+    result = sglang_launch["ranks"][0]["tier"]
+    tier_dir = sglang_launch["tier_dir"]
     assert result["greedy_tokens_equal_cpu_engine"], result
     assert result["greedy_log_prob_error"] < 1e-5, result
     assert result["sampled_log_prob_error"] < 1e-5, result  # temperature-scaled, full-vocabulary semantics
@@ -45,183 +33,21 @@ def test_against_real_sglang_engine_on_cpu(tmp_path):
     assert fail["error_type"] == "EngineStartError" and "\n" not in fail["message"], fail
     assert fail["message"].startswith("the SGLang engine of the test engine did not start: its scheduler process "
                                       "failed: AssertionError: max_running_request is zero"), fail
-    assert str(tmp_path / "failing.log") in fail["message"], fail
+    assert str(tier_dir / "qwen2" / "failing.log") in fail["message"], fail
     assert fail["seconds_after_sglang_gave_up"] < 15, fail
     assert fail["children_left"] == [], fail
 
+
+def test_sglang_serves_qwen3_and_qwen3_moe_with_routed_experts(sglang_launch):
+    result = sglang_launch["ranks"][1]["tier"]
     for name in ("qwen3_tied", "qwen3_moe"):
         q = result[name]
+        print(name, q)
         assert q["greedy_log_prob_error"] < 1e-5 and q["sampled_log_prob_error"] < 1e-5, (name, q)
         assert q["changed_weight_log_prob_shift"] > 1e-2 and q["changed_weight_log_prob_error"] < 1e-5, (name, q)
-    routes = result["qwen3_moe"]["routes"]
-    # every token but the last of each response, the 3 MoE layers of 4 (layer 1 is dense), top-2; as the CPU engine
-    assert routes["shape_equal"] and routes["rows"] > 0, routes
-    assert routes["different_not_tie"] == 0, routes
-    assert result["qwen3_moe"]["routes_after_change"]["different_not_tie"] == 0, result["qwen3_moe"]
-    assert result["qwen3_moe"]["routes_equal_cpu_engine"], result["qwen3_moe"]
-
-
-def run_tier(out_dir: str) -> None:
-    """Runs in a subprocess of the test."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from mppo.rollout import SamplingParams
-    from mppo.rollout.cpu_engine import CPURolloutEngine
-    from mppo.rollout.sglang_engine import SGLangRolloutEngine
-
-    torch.set_num_threads(1)
-    config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True, eos_token_id=None, bos_token_id=None, initializer_range=0.2)
-    torch.manual_seed(0)
-    source = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    model_dir = Path(out_dir) / "model"
-    source.save_pretrained(model_dir)  # SGLang reads the config from here; weights come from update_weights
-
-    result = {"start_failure": start_failure(model_dir, Path(out_dir) / "failing.log")}
-    engine = SGLangRolloutEngine(str(model_dir), gpu_memory_utilization=0.3, dtype="float32", on_cpu=True,
-                                 max_total_tokens=4096, log_path=Path(out_dir) / "sglang.log")
-    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]
-
-    def push(model):
-        state = list(model.state_dict().items())
-        engine.update_weights([state[i : i + 4] for i in range(0, len(state), 4)])
-
-    def recompute_error(model, responses, temperature):
-        worst = 0.0
-        for r in responses:
-            ids = torch.tensor([prompts[r.prompt_index] + r.token_ids])
-            with torch.no_grad():
-                logits = model(ids).logits[0, len(prompts[r.prompt_index]) - 1 : -1].float()
-            ref = torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(r.token_ids)[:, None])[:, 0]
-            worst = max(worst, (ref - torch.tensor(r.log_probs)).abs().max().item())
-        return worst
-
-    push(source)
-    result["get_weight_of_qwen2"] = engine.get_weight("model.norm.weight")
-    greedy = SamplingParams(do_sample=False, max_new_tokens=8)
-    got = engine.generate(prompts, greedy, step=0)
-    cpu_engine = CPURolloutEngine(config)
-    cpu_engine.update_weights(source.state_dict().items())
-    result["greedy_tokens_equal_cpu_engine"] = [r.token_ids for r in got] == [
-        r.token_ids for r in cpu_engine.generate(prompts, greedy, step=0)]
-    result["greedy_log_prob_error"] = recompute_error(source, got, 1.0)
-
-    sampled = engine.generate(prompts, SamplingParams(n=2, temperature=0.8, top_k=50, max_new_tokens=8), step=0)
-    result["sampled_log_prob_error"] = recompute_error(source, sampled, 0.8)
-
-    stop_token = got[0].token_ids[2]
-    stopped = engine.generate(prompts[:1], SamplingParams(do_sample=False, max_new_tokens=8,
-                                                          stop_token_ids=[stop_token]), step=0)[0]
-    first = got[0].token_ids.index(stop_token)
-    result["stop_includes_token"] = stopped.token_ids == got[0].token_ids[: first + 1]
-    result["stop_reason"] = stopped.finish_reason
-
-    with torch.no_grad():
-        source.model.norm.weight.mul_(3.0)
-    engine.release()  # the trainer's sequence: release, push (resumes the weights), resume the KV cache
-    push(source)
-    engine.resume()
-    changed = engine.generate(prompts, greedy, step=0)
-    result["changed_weight_log_prob_shift"] = max(
-        abs(a - b) for before, after in zip(got, changed) for a, b in zip(before.log_probs[:1], after.log_probs[:1]))
-    result["changed_weight_log_prob_error"] = recompute_error(source, changed, 1.0)
-    engine.shutdown()
-    for name in ("qwen3_tied", "qwen3_moe"):
-        result[name] = qwen3_tier(name, Path(out_dir) / name)
-    (Path(out_dir) / "result.json").write_text(json.dumps(result))
-    print(json.dumps(result))
-
-
-def start_failure(model_dir: Path, log_path: Path) -> dict:
-    """Start an engine whose scheduler must fail (a KV pool of one token holds no request)."""
-    import time
-
-    import psutil
-
-    from mppo.rollout.sglang_engine import SGLangRolloutEngine
-    from mppo.rollout.sglang_startup import EngineStartError
-
-    try:
-        SGLangRolloutEngine(str(model_dir), gpu_memory_utilization=0.3, dtype="float32", on_cpu=True,
-                            max_total_tokens=1, log_path=log_path, name="the test engine")
-        out = {"error_type": None, "message": "started"}
-    except EngineStartError as err:
-        raised = time.time()
-        out = {"error_type": type(err).__name__, "message": str(err)}
-        # when SGLang's scheduler logged its failure (the log file's last write) to when the error was raised
-        out["seconds_after_sglang_gave_up"] = raised - log_path.stat().st_mtime
-    out["children_left"] = [p.pid for p in psutil.Process().children(recursive=True)]
-    return out
-
-
-def qwen3_tier(name: str, out_dir: Path) -> dict:
-    """One engine serving the tiny Qwen3 `name` (tests/dist/models_fixtures.py); weights pushed in checkpoint format
-    (per-expert tensors, as the exporter streams them)."""
-    import safetensors.torch
-
-    from hf_reference import hf_router_top_k, hf_token_log_probs, route_disagreements
-    from models_fixtures import load_hf_model, make_hf_model
-
-    from mppo.rollout import SamplingParams
-    from mppo.rollout.cpu_engine import CPURolloutEngine
-    from mppo.rollout.sglang_engine import SGLangRolloutEngine
-
-    moe = name == "qwen3_moe"
-    source = make_hf_model(name, out_dir / "model")
-    engine = SGLangRolloutEngine(str(out_dir / "model"), gpu_memory_utilization=0.3, dtype="float32", on_cpu=True,
-                                 max_total_tokens=4096, log_path=out_dir / "sglang.log", name=f"the {name} engine",
-                                 return_routed_experts=moe)
-    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]
-
-    def push(model_dir: Path) -> None:
-        state = list(safetensors.torch.load_file(str(model_dir / "model.safetensors")).items())
-        engine.update_weights([state[i: i + 8] for i in range(0, len(state), 8)])
-
-    def error(model, responses, temperature):
-        return max((hf_token_log_probs(model, prompts[r.prompt_index], r.token_ids, temperature)
-                    - torch.tensor(r.log_probs)).abs().max().item() for r in responses)
-
-    def routes(model, responses) -> dict:
-        total: dict = {"rows": 0, "different": 0, "different_not_tie": 0, "shape_equal": True}
-        for r in responses:
-            one = route_disagreements(r.routed_experts, *hf_router_top_k(model, prompts[r.prompt_index], r.token_ids))
-            total = {key: (total[key] and one[key]) if key == "shape_equal" else total[key] + one[key]
-                     for key in total}
-        return total
-
-    out: dict = {}
-    push(out_dir / "model")
-    greedy = SamplingParams(do_sample=False, max_new_tokens=8)
-    got = engine.generate(prompts, greedy, step=0)
-    out["greedy_log_prob_error"] = error(source, got, 1.0)
-    sampled = engine.generate(prompts, SamplingParams(n=2, temperature=0.8, top_k=50, max_new_tokens=8), step=0)
-    out["sampled_log_prob_error"] = error(source, sampled, 0.8)
-    if moe:
-        out["routes"] = routes(source, got + sampled)
-        cpu_engine = CPURolloutEngine(source.config, record_routed_experts=True)
-        cpu_engine.update_weights(safetensors.torch.load_file(str(out_dir / "model" / "model.safetensors")).items())
-        on_cpu = cpu_engine.generate(prompts, greedy, step=0)
-        out["routes_equal_cpu_engine"] = all(
-            a.token_ids == b.token_ids and torch.equal(a.routed_experts.sort(-1).values,
-                                                       b.routed_experts.sort(-1).values)
-            for a, b in zip(got, on_cpu))
-    with torch.no_grad():  # new weights everywhere a wrong sync would show: the final norm, routers, experts
-        for pname, p in source.named_parameters():
-            if pname == "model.norm.weight":
-                p.mul_(3.0)
-            elif "mlp" in pname:
-                p.add_(0.05 * torch.randn_like(p))
-    source.save_pretrained(out_dir / "changed", safe_serialization=True)
-    changed_model = load_hf_model(out_dir / "changed")  # HF's own reading of the pushed files: the reference
-    engine.release()
-    push(out_dir / "changed")
-    engine.resume()
-    changed = engine.generate(prompts, greedy, step=0)
-    out["changed_weight_log_prob_shift"] = max(
-        abs(a - b) for before, after in zip(got, changed) for a, b in zip(before.log_probs[:1], after.log_probs[:1]))
-    out["changed_weight_log_prob_error"] = error(changed_model, changed, 1.0)
-    if moe:
-        out["routes_after_change"] = routes(changed_model, changed)
-    engine.shutdown()
-    return out
+    moe = result["qwen3_moe"]
+    # every token but the last of each response, the 3 MoE layers of 4 (layer 1 is dense), top-2
+    assert moe["routes"]["shape_equal"] and moe["routes"]["rows"] > 0, moe
+    assert moe["routes"]["different_not_tie"] == 0, moe
+    assert moe["routes_after_change"]["shape_equal"] and moe["routes_after_change"]["different_not_tie"] == 0, moe
+    assert moe["routes_equal_cpu_engine"], moe

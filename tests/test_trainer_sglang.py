@@ -1,6 +1,7 @@
 """The trainer against a REAL sglang.Engine on the CPU (SGLang 0.5.23's CPU tier, installed by `make sglang`).
 
-One torchrun launch (2 ranks, two engines of TP 1) runs four trainers on the same engines: PPO (GAE + critic) and
+One torchrun launch (2 ranks, two engines of TP 1; the suite's one SGLang launch, tests/sglang_launch.py, shared with
+tests/test_rollout_sglang_cpu.py) runs four trainers on the same engines: PPO (GAE + critic) and
 GRPO, 3 steps each, at trainer TP2 and at trainer DP2 (tests/dist/trainer_sglang.py). The model is a random tiny
 Llama: SGLang's Llama can return its weights (get_weights_by_name), its Qwen2 cannot, and the bitwise weight check
 needs that. The same launch then serves a random tiny Qwen3-MoE (two new engines, which return their routed experts)
@@ -9,21 +10,13 @@ reaches its engine is checked through HF transformers loading the exporter's ten
 """
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 import pytest
 
-from dist_util import REPO, run_torchrun
-from e2e_assets import dense_reward, make_assets, step_metrics, tiny_overrides
-
-SGLANG = ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-          "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=true"]
-MOE_R3 = ["critic.enable=false", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
-          "actor_rollout_ref.actor.router_replay.mode=R3"]
-OFFLOAD = ["actor_rollout_ref.actor.megatron.param_offload=true",
-           "actor_rollout_ref.actor.megatron.optimizer_offload=true"]
+from dist_util import REPO
+from e2e_assets import dense_reward, make_assets, tiny_overrides
+from sglang_launch import SGLANG
 
 # One generation phase: weights back, the push session, trainer state out, KV cache back, generate, all released
 # (once flush_cache says the scheduler is idle), trainer state back (mppo.rollout.factory's docstring).
@@ -34,28 +27,9 @@ GENERATION = (r"resume_memory_occupation\(weights\) begin_weight_update (update_
 
 
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory) -> list[dict]:
-    root = tmp_path_factory.mktemp("sglang")
-    assets = make_assets(root / "assets", arch="llama")
-    runs = root / "runs"
-    common = dense_reward(assets) + SGLANG
-    cases = {
-        "tp2_ppo": tiny_overrides(assets, runs / "tp2_ppo", world=2, tp=2, steps=3) + common,
-        "tp2_grpo": tiny_overrides(assets, runs / "tp2_grpo", world=2, tp=2, steps=3, estimator="grpo", n=4)
-        + common + ["critic.enable=false"],
-        "dp2_ppo": tiny_overrides(assets, runs / "dp2_ppo", world=2, steps=3) + common + OFFLOAD,
-        "dp2_grpo": tiny_overrides(assets, runs / "dp2_grpo", world=2, steps=3, estimator="grpo", n=4)
-        + common + ["critic.enable=false"],
-    }
-    moe = make_assets(root / "moe_assets", arch="qwen3_moe")
-    cases["ep2_grpo_r3"] = (tiny_overrides(moe, runs / "ep2_grpo_r3", world=2, steps=2, estimator="grpo", n=4)
-                            + dense_reward(moe) + SGLANG + MOE_R3)
-    ranks = run_torchrun(REPO / "tests" / "dist" / "trainer_sglang.py", 2, root / "out",
-                         ["--config", str(REPO / "configs" / "demo_cpu.yaml"), "--cases", json.dumps(cases)],
-                         timeout=2400)
-    for name in cases:
-        ranks[0][name]["metrics"] = step_metrics(runs / name)
-    return ranks
+def launch(sglang_launch) -> list[dict]:
+    """Every rank's results of the suite's one SGLang launch (tests/sglang_launch.py)."""
+    return sglang_launch["ranks"]
 
 
 def test_qwen3_moe_with_routing_replay_trains_on_sglangs_routes(launch):

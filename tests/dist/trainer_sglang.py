@@ -1,5 +1,9 @@
 """The trainer on a REAL sglang.Engine (SGLang's CPU tier), under torchrun with 2 ranks (tests/test_trainer_sglang.py).
 
+This is the suite's one SGLang launch (tests/sglang_launch.py). With --tier-dir, each rank first runs rollout-tier
+engine checks (tests/dist/sglang_tier.py, asserted by tests/test_rollout_sglang_cpu.py): rank 0 a tiny Qwen2 and a
+start that must fail, rank 1 Qwen3 and Qwen3-MoE, in parallel.
+
 Engine start-up is the slow part (20-60 s), so one Rollout (two engines of TP 1: one per rank) serves four trainers
 built one after another (PPOTrainer's `rollout` argument): PPO (GAE + critic) and GRPO at trainer TP2, then at
 trainer DP2. Each runs `fit()` for 3 steps. Checked along the way, and written to out/rank{R}.json:
@@ -178,6 +182,19 @@ def moe_check(trainer, out_dir: Path) -> dict:
             "exported_expert_tensors": expert_tensors}
 
 
+def run_tier(tier_dir: Path, rank: int, world: int, result: dict) -> None:
+    """The rollout tier's checks, split over the ranks (each engine is a single-process one: no collective)."""
+    from sglang_tier import qwen2_tier, qwen3_tier
+
+    torch.set_num_threads(1)
+    tier: dict = {}
+    if rank == 0:
+        tier.update(qwen2_tier(tier_dir / "qwen2"))
+    if rank == min(1, world - 1):
+        tier.update({name: qwen3_tier(name, tier_dir / name) for name in ("qwen3_tied", "qwen3_moe")})
+    result["tier"] = tier
+
+
 def run(args, result: dict) -> None:
     logging.basicConfig(level=logging.WARNING)
     from mppo.parallel import destroy, init_distributed
@@ -185,6 +202,8 @@ def run(args, result: dict) -> None:
     from mppo.rollout.factory import build_rollout
     from mppo.trainer.fit import PPOTrainer
 
+    if args.tier_dir is not None:
+        run_tier(args.tier_dir, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), result)
     cases = json.loads(args.cases)
     rollout, served = None, None  # the engines of the current model
     for name, overrides in cases.items():
@@ -232,6 +251,7 @@ def main() -> None:
     def arguments(p):
         p.add_argument("--config", required=True)
         p.add_argument("--cases", required=True, help="JSON {name: overrides} of the trainers, run in this order")
+        p.add_argument("--tier-dir", type=Path, default=None, help="run the rollout tier's checks first, here")
 
     rank_main(run, add_arguments=arguments, process_group=False)
 
