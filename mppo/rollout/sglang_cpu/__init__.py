@@ -1,5 +1,5 @@
 """SGLang on the CPU (CI, the CPU benchmarks, `mppo doctor` without a GPU): its server arguments, what it can and
-cannot do, and the two import-time stand-ins it needs, activated only when SGLang runs on the CPU.
+cannot do, and the import-time stand-ins it needs, activated only when SGLang runs on the CPU.
 
 `make sglang` installs SGLang 0.5.23 with --no-deps beside the pinned CPU torch (requirements-sglang-cpu.txt), and
 torchvision (which SGLang imports) into EXTRAS_DIR rather than site-packages: PyPI's torchvision is CUDA-linked, and
@@ -10,7 +10,9 @@ detokenizer processes sglang.Engine spawns); the stand-ins' docstrings say why e
 What SGLang 0.5.23 can and cannot do on the CPU (measured on the 2-core CI machine; tests pin each point:
 tests/test_rollout_sglang_cpu.py, tests/test_trainer_sglang.py):
 - works: Engine(device="cpu", attention_backend="torch_native", sampling_backend="pytorch") for a dense
-  Llama/Qwen2 at tp 1, start-up 20-150 s (2 cores, shared); generate with return_logprob (full-vocabulary,
+  Llama/Qwen2/Qwen3 and a Qwen3-MoE (its torch-native expert loop, moe_forward_native) at tp 1, start-up 20-150 s
+  (2 cores, shared); return_routed_experts for routing replay (enable_return_routed_experts, with the unpinned host
+  buffer of standins/mppo_unpinned_host_memory.py); generate with return_logprob (full-vocabulary,
   temperature-scaled log-probs; against an HF fp32 recompute ~1e-6); begin/end_weight_update around
   update_weights_from_tensor(load_format="flattened_bucket"); flush_cache; get_weights_by_name for Llama-family
   models (bitwise, fp32; sglang's Qwen2ForCausalLM has no get_weights_by_name and returns None); several engines

@@ -4,7 +4,9 @@ Why it exists: SGLang 0.5.23 imports sgl_kernel (and names from its submodules) 
 the CPU build of sgl_kernel is not on PyPI (the PyPI `sglang-kernel` wheel is CUDA-only).
 
 Why it is inert: with attention_backend=torch_native and sampling_backend=pytorch (what mppo.rollout.sglang_cpu
-passes), a dense Llama/Qwen2 model at tp 1 runs on torch ops only: attention is torch's scaled_dot_product_attention,
+passes), a dense Llama/Qwen2/Qwen3 model or a Qwen3-MoE (its fused CPU q/k-norm + rotary op needs
+torch.ops.sgl_kernel.fused_qk_norm_rope_cpu, which this stand-in does not register; its experts take
+moe_forward_native) at tp 1 runs on torch ops only: attention is torch's scaled_dot_product_attention,
 sampling is torch.softmax/multinomial, RMSNorm/SiLU/rotary take their torch-native forward on CPU. Every name
 exists so the imports succeed; calling any of them raises NotImplementedError, so a path that did need a kernel
 would fail loudly rather than compute something else. SGLang's own CPU kernels (Intel AMX) stay off: it enables
