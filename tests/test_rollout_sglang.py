@@ -317,6 +317,31 @@ def test_routed_experts_keep_the_moe_layers_of_every_token_but_the_last(tmp_path
         RouteLayout.of_model(str(dense))
 
 
+def test_a_qwen3_moe_with_dense_layers_is_refused_for_sglang(tmp_path):
+    """SGLang 0.5.23's Qwen3-MoE builds every layer as MoE (pinned in tests/test_rollout_sglang_cpu.py) and does not
+    tie its head: such models stop at start-up in one line; an untied all-MoE one passes."""
+    import json
+
+    from mppo.config import ConfigError
+    from mppo.rollout.factory import check_sglang_serves
+
+    config = {"model_type": "qwen3_moe", "vocab_size": 100, "hidden_size": 16, "intermediate_size": 32,
+              "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+              "max_position_embeddings": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 8}
+    for name, extra in (("all_moe", {}), ("dense_layer", {"mlp_only_layers": [1]}),
+                        ("sparse_step", {"decoder_sparse_step": 2}), ("tied", {"tie_word_embeddings": True})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, **extra}))
+    check_sglang_serves(str(tmp_path / "all_moe"))
+    check_sglang_serves(None)
+    with pytest.raises(ConfigError, match=r"has dense layers \[1\] .* use actor_rollout_ref.rollout.name=cpu"):
+        check_sglang_serves(str(tmp_path / "dense_layer"))
+    with pytest.raises(ConfigError, match=r"has dense layers \[0, 2\]"):
+        check_sglang_serves(str(tmp_path / "sparse_step"))
+    with pytest.raises(ConfigError, match="ties its head to the embedding"):
+        check_sglang_serves(str(tmp_path / "tied"))
+
+
 def test_weight_sync_session_buckets_and_bitwise_weights():
     ipc = InProcessIPC()
     api, engines = fake_api(ipc)

@@ -9,8 +9,9 @@ random tiny Qwen2 (tests/dist/sglang_tier.py):
 - a stop token ends a sample and is included; new weights change the log-probs and match HF again;
 - a start-up failure in SGLang's scheduler process (a KV pool too small for one request) is one EngineStartError
   line in seconds after SGLang gives up, naming the cause and SGLang's log, with no SGLang process left behind.
-Its rank 1, meanwhile, a tiny random Qwen3 (qwen3) and Qwen3-MoE (qwen3_moe, 4 experts top-2, one dense layer;
-tests/dist/models_fixtures.py), each served by its own engine: log-probs (greedy, sampled) equal HF's, new weights
+Its rank 1, meanwhile, a tiny random Qwen3 (qwen3_tied) and Qwen3-MoE (qwen3_moe_sglang, 4 experts top-2, every
+layer MoE, untied: SGLang 0.5.23's Qwen3-MoE builds every layer as MoE, ignoring mlp_only_layers, which is pinned
+here, and ignores tie_word_embeddings; tests/dist/models_fixtures.py), each served by its own engine: log-probs (greedy, sampled) equal HF's, new weights
 (experts and routers included) reach the engine; the Qwen3-MoE engine returns its routed experts
 (return_routed_experts, for routing replay), equal to HF's router top-k on the same tokens (ties aside) and to the
 CPU engine's routes.
@@ -40,14 +41,16 @@ def test_against_real_sglang_engine_on_cpu(sglang_launch):
 
 def test_sglang_serves_qwen3_and_qwen3_moe_with_routed_experts(sglang_launch):
     result = sglang_launch["ranks"][1]["tier"]
-    for name in ("qwen3_tied", "qwen3_moe"):
+    for name in ("qwen3_tied", "qwen3_moe_sglang"):
         q = result[name]
         print(name, q)
         assert q["greedy_log_prob_error"] < 1e-5 and q["sampled_log_prob_error"] < 1e-5, (name, q)
         assert q["changed_weight_log_prob_shift"] > 1e-2 and q["changed_weight_log_prob_error"] < 1e-5, (name, q)
-    moe = result["qwen3_moe"]
-    # every token but the last of each response, the 3 MoE layers of 4 (layer 1 is dense), top-2
+    moe = result["qwen3_moe_sglang"]
+    # every token but the last of each response, both (MoE) layers, top-2
     assert moe["routes"]["shape_equal"] and moe["routes"]["rows"] > 0, moe
     assert moe["routes"]["different_not_tie"] == 0, moe
     assert moe["routes_after_change"]["shape_equal"] and moe["routes_after_change"]["different_not_tie"] == 0, moe
     assert moe["routes_equal_cpu_engine"], moe
+    assert moe["sglang_ignores_mlp_only_layers"], ("SGLang's Qwen3-MoE now builds dense layers (mlp_only_layers): "
+                                                   "serve such a model here and lift mppo's refusal")

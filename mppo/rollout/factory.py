@@ -39,6 +39,7 @@ same on both devices; tests/test_trainer_sglang.py records them around a real ru
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -51,7 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mppo.config import ConfigError, MppoConfig
-from mppo.models.hf_config import HFModelArgs
+from mppo.models.hf_config import HFModelArgs, read_hf_config
 from mppo.rollout.agent_loop import AgentLoop, AgentResponse, ToolRunner
 from mppo.rollout.base import RolloutEngine, RolloutResponse, SamplingParams
 from mppo.rollout.seeding import stable_hash63
@@ -124,8 +125,10 @@ def launch_layout(engine_tp: int) -> RolloutLayout:
 # ---------------------------------------------------------------------------------------------------- checks
 def check_rollout_setup(cfg: MppoConfig) -> None:
     """What can be checked about the rollout before anything is built (trainer start-up, `mppo train --dry-run`):
-    the engine's package and version. Layout arithmetic is mppo.config.validate's."""
+    the engine's package and version, and models SGLang would serve wrong. Layout arithmetic is
+    mppo.config.validate's."""
     if cfg.actor_rollout_ref.rollout.name == "sglang":
+        check_sglang_serves(cfg.actor_rollout_ref.model.path)
         from mppo.rollout.sglang_protocol import installed_sglang_version
 
         try:
@@ -135,6 +138,26 @@ def check_rollout_setup(cfg: MppoConfig) -> None:
 
             raise MissingGpuPackageError(f"actor_rollout_ref.rollout.name=sglang: {exc}; or use "
                                       "actor_rollout_ref.rollout.name=cpu") from None
+
+
+def check_sglang_serves(model_path: str | None) -> None:
+    """SGLang 0.5.23's Qwen3-MoE builds every layer as a MoE layer (Qwen3MoeDecoderLayer.stage_facts ignores
+    mlp_only_layers and decoder_sparse_step) and never ties its head to the embedding (tie_word_embeddings is not
+    read; the head stays unloaded): such a model would roll out wrong log-probs, so it stops here
+    (tests/test_rollout_sglang_cpu.py pins the first limitation; released Qwen3-MoE checkpoints have neither)."""
+    config = Path(model_path) / "config.json" if model_path else None
+    if config is None or not config.is_file() or json.loads(config.read_text()).get("model_type") != "qwen3_moe":
+        return
+    args = read_hf_config(config)
+    dense = [i for i in range(args.num_layers) if i not in args.moe_layers]
+    if args.moe_layers and dense:
+        raise ConfigError(f"actor_rollout_ref.rollout.name = 'sglang': the Qwen3-MoE at {model_path!r} has dense "
+                          f"layers {dense} (mlp_only_layers / decoder_sparse_step), which SGLang 0.5.23 builds as "
+                          "MoE layers (it would serve wrong log-probs); use actor_rollout_ref.rollout.name=cpu")
+    if json.loads(config.read_text()).get("tie_word_embeddings"):
+        raise ConfigError(f"actor_rollout_ref.rollout.name = 'sglang': the Qwen3-MoE at {model_path!r} ties its head "
+                          "to the embedding (tie_word_embeddings), which SGLang 0.5.23's Qwen3-MoE does not do (it "
+                          "would serve wrong log-probs); use actor_rollout_ref.rollout.name=cpu")
 
 
 # ---------------------------------------------------------------------------------------------------- engines

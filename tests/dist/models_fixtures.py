@@ -38,12 +38,19 @@ QWEN3_MODELS = {
                                              norm_topk_prob=False)),
 }
 
+# A Qwen3-MoE of the kind SGLang 0.5.23 serves (tests/dist/sglang_tier.py): every layer MoE, untied head (its
+# Qwen3MoeForCausalLM ignores mlp_only_layers and tie_word_embeddings); unnormalised top-k weights.
+SGLANG_QWEN3_MOE = {"qwen3_moe_sglang": ("qwen3_moe", dict(vocab_size=1001, num_hidden_layers=2,
+                                                           tie_word_embeddings=False, moe_intermediate_size=48,
+                                                           num_experts=4, num_experts_per_tok=2,
+                                                           norm_topk_prob=False))}
+
 
 def hf_config(name: str):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    if name in QWEN3_MODELS:
-        model_type, overrides = QWEN3_MODELS[name]
+    if name in QWEN3_MODELS or name in SGLANG_QWEN3_MOE:
+        model_type, overrides = {**QWEN3_MODELS, **SGLANG_QWEN3_MOE}[name]
         return (Qwen3Config if model_type == "qwen3" else Qwen3MoeConfig)(**QWEN3_TINY, **overrides)
     model_type, overrides = MODELS[name]
     cls = Qwen2Config if model_type == "qwen2" else LlamaConfig

@@ -101,8 +101,9 @@ def start_failure(model_dir: Path, log_path: Path) -> dict:
 
 
 def qwen3_tier(name: str, out_dir: Path) -> dict:
-    """One engine serving the tiny Qwen3 `name` (tests/dist/models_fixtures.py); weights pushed in checkpoint format
-    (per-expert tensors, as the exporter streams them)."""
+    """One engine serving the tiny Qwen3 `name` (tests/dist/models_fixtures.py; for Qwen3-MoE one whose layers are
+    all MoE layers, the only kind SGLang 0.5.23 serves); weights pushed in checkpoint format (per-expert tensors,
+    as the exporter streams them)."""
     import safetensors.torch
 
     from hf_reference import hf_router_top_k, hf_token_log_probs, route_disagreements
@@ -112,7 +113,7 @@ def qwen3_tier(name: str, out_dir: Path) -> dict:
     from mppo.rollout.cpu_engine import CPURolloutEngine
     from mppo.rollout.sglang_engine import SGLangRolloutEngine
 
-    moe = name == "qwen3_moe"
+    moe = name.startswith("qwen3_moe")
     source = make_hf_model(name, out_dir / "model")
     engine = SGLangRolloutEngine(str(out_dir / "model"), gpu_memory_utilization=0.3, dtype="float32", on_cpu=True,
                                  max_total_tokens=4096, log_path=out_dir / "sglang.log", name=f"the {name} engine",
@@ -169,4 +170,18 @@ def qwen3_tier(name: str, out_dir: Path) -> dict:
     if moe:
         out["routes_after_change"] = routes(changed_model, changed)
     engine.shutdown()
+    if moe:
+        out["sglang_ignores_mlp_only_layers"] = sglang_ignores_mlp_only_layers()
     return out
+
+
+def sglang_ignores_mlp_only_layers() -> bool:
+    """Pinned limitation: SGLang 0.5.23's Qwen3-MoE builds every layer as a MoE layer (Qwen3MoeDecoderLayer.
+    stage_facts: "all layers are sparse"), whatever mlp_only_layers says; a model with dense layers is served wrong
+    (measured: log-probs off by 0.6), so mppo refuses it with rollout.name=sglang."""
+    from transformers import Qwen3MoeConfig
+
+    from sglang.srt.models.qwen3_moe import Qwen3MoeDecoderLayer
+
+    config = Qwen3MoeConfig(num_hidden_layers=2, mlp_only_layers=[1], decoder_sparse_step=1)
+    return bool(Qwen3MoeDecoderLayer.stage_facts(config, 1)[1].sparse)

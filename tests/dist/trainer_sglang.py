@@ -191,7 +191,7 @@ def run_tier(tier_dir: Path, rank: int, world: int, result: dict) -> None:
     if rank == 0:
         tier.update(qwen2_tier(tier_dir / "qwen2"))
     if rank == min(1, world - 1):
-        tier.update({name: qwen3_tier(name, tier_dir / name) for name in ("qwen3_tied", "qwen3_moe")})
+        tier.update({name: qwen3_tier(name, tier_dir / name) for name in ("qwen3_tied", "qwen3_moe_sglang")})
     result["tier"] = tier
 
 
