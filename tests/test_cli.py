@@ -114,6 +114,9 @@ def test_a_trainer_bug_keeps_its_traceback(capsys, monkeypatch):
                                               "did you mean 'trainer.seed'?"),
     (["train", "no/such.yaml", "--dry-run"], "config file not found: no/such.yaml"),
     (["train", "critic.enable=false", "--dry-run"], "critic.enable = false: algorithm.adv_estimator = 'gae' needs"),
+    # the trainer's one-layout rule (actor, critic and reference share megatron's groups), checked by --dry-run too
+    (["train", "critic.megatron.pipeline_model_parallel_size=2", "--dry-run"],
+     "critic.megatron.pipeline_model_parallel_size=2 differs from the actor's 1; mppo runs all models on one layout"),
     (["train", "a.yaml", "b.yaml"], "'b.yaml' is not a key=value override"),
 ])
 def test_user_errors_are_one_line_and_exit_2(capsys, argv, message):

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from mppo.config import ConfigError, MppoConfig
+from mppo.config.validate import check_shared_layout
 from mppo.data import PromptLoader, RLDataset, load_tokenizer
 from mppo.errors import UserError
 from mppo.rewards import RewardManager, known_data_sources, resolve_compute_score
@@ -54,6 +55,15 @@ def model_facts(model_path: str) -> dict[str, Any]:
         raise ConfigError(f"cannot read {config_file} ({type(err).__name__}: {err}); restore the model's "
                           "config.json") from err
     return {key: config.get(key) for key in MODEL_FACTS}
+
+
+def check_startup(cfg: MppoConfig) -> None:
+    """What stops a run at start-up, in seconds, before megatron is imported or any model is built: one layout for
+    every model (as `mppo train --dry-run` checks), the GPU packages, the device, the models' architecture."""
+    check_shared_layout(cfg)
+    check_gpu_packages(cfg)
+    check_device(cfg)
+    check_models(cfg)
 
 
 def check_gpu_packages(cfg: MppoConfig) -> None:

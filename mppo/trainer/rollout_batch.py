@@ -49,8 +49,8 @@ def build_rollout_batch(prompts: PromptBatch, responses: Sequence[RolloutRespons
     multi_turn = {}
     if responses and hasattr(responses[0], "num_tool_calls"):  # agent loop responses
         multi_turn["num_tool_calls"] = torch.tensor([r.num_tool_calls for r in responses], dtype=torch.int64)
-    prompt_ids = prompts.input_ids.repeat_interleave(n, dim=0)
-    prompt_mask = prompts.attention_mask.repeat_interleave(n, dim=0)
+    rows_prompts = prompts.repeat(n)  # row r's prompt
+    prompt_ids, prompt_mask = rows_prompts.input_ids, rows_prompts.attention_mask
     attention_mask = torch.cat([prompt_mask, valid], dim=1)
     batch = {
         "input_ids": torch.cat([prompt_ids, responses_t], dim=1),
@@ -61,7 +61,7 @@ def build_rollout_batch(prompts: PromptBatch, responses: Sequence[RolloutRespons
         "response_mask": response_mask,
         "rollout_log_probs": rollout_log_probs,
         # Group id of each row: the prompt's GLOBAL dataset index (GRPO-style estimators group by it).
-        "uid": prompts.indices.repeat_interleave(n),
+        "uid": rows_prompts.indices,
         **multi_turn,  # num_tool_calls [B·n]: tool calls of each multi-turn response
     }
     if responses and getattr(responses[0], "routed_experts", None) is not None:  # AgentResponse has none
