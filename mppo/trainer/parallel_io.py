@@ -1,8 +1,9 @@
 """How the SPMD ranks share work: DP slices of the prompt batch, and the model-parallel group's leader.
 
-Within one model-parallel group (the TP×PP ranks holding one model replica) only the leader (tp_rank 0, pp_rank 0)
-scores its DP rows of the responses; it broadcasts the resulting batch to the rest of its group, so every rank then
-runs the same log-prob and update passes on the same rows. (Who generates is mppo.rollout.factory's business.)
+Every rank has every response (mppo.rollout.factory gathers them) and builds its DP rows itself; within one
+model-parallel group (the TP×PP ranks holding one model replica) only the leader (tp_rank 0, pp_rank 0) scores them
+and broadcasts the scores to the rest of its group, so every rank then runs the same log-prob and update passes on
+the same rows.
 """
 from __future__ import annotations
 
