@@ -69,9 +69,9 @@ def _train(args: argparse.Namespace) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             cfg = load_config(path, overrides, world_size=world_size)
-        from mppo.rollout.factory import check_rollout_setup
+        from mppo.preflight import check_config
 
-        check_rollout_setup(cfg)  # the engine's package: a run that cannot start its rollout stops here
+        check_config(cfg)  # what the trainer rejects from the config alone, --dry-run rejects too
     except USER_INPUT_ERRORS as e:
         return _error(str(e))
     if _is_rank0():

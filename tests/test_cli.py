@@ -114,6 +114,9 @@ def test_a_trainer_bug_keeps_its_traceback(capsys, monkeypatch):
                                               "did you mean 'trainer.seed'?"),
     (["train", "no/such.yaml", "--dry-run"], "config file not found: no/such.yaml"),
     (["train", "critic.enable=false", "--dry-run"], "critic.enable = false: algorithm.adv_estimator = 'gae' needs"),
+    # the trainer's one-layout rule (actor, critic and reference share megatron's groups), checked by --dry-run too
+    (["train", "critic.megatron.pipeline_model_parallel_size=2", "--dry-run"],
+     "critic.megatron.pipeline_model_parallel_size=2 differs from the actor's 1; mppo runs all models on one layout"),
     (["train", "a.yaml", "b.yaml"], "'b.yaml' is not a key=value override"),
 ])
 def test_user_errors_are_one_line_and_exit_2(capsys, argv, message):
@@ -265,3 +268,18 @@ def test_dry_run_appends_the_plan_when_the_model_config_is_at_hand(tmp_path, cap
     assert "# verdict: FITS" in out
     assert main(["train", "configs/ppo_trainer.yaml", "--dry-run"]) == 0
     assert "# plan: not computed (actor_rollout_ref.model.path is null" in capsys.readouterr().out
+
+
+def test_dry_run_rejects_a_model_the_trainer_cannot_map(tmp_path, capsys):
+    """The trainer's start-up check of the model's config.json runs under --dry-run too (mppo.preflight): before,
+    a dry run printed the config and `# plan: not computed`, and only `mppo train` stopped."""
+    import json
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "vocab_size": 1000, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512}))
+    code, out, err = run(capsys, "train", "configs/demo_cpu.yaml", f"actor_rollout_ref.model.path={model}",
+                         "--dry-run")
+    assert (code, out) == (2, "")
+    assert err.startswith("mppo: error: ") and "gpt2" in err and err.count("\n") == 1

@@ -161,6 +161,25 @@ def test_collate_left_pads():
         collate(items, pad_token_id=9, pad_to_length=2)
 
 
+def test_prompt_batch_slices_and_repeats_every_field():
+    items = _items(4)
+    batch = collate(items, pad_token_id=9)
+    part = batch[1:3]  # the same as collating those prompts at the batch's width
+    reference = collate(items[1:3], pad_token_id=9, pad_to_length=batch.input_ids.shape[1])
+    for name in ("input_ids", "attention_mask", "position_ids", "indices"):
+        assert torch.equal(getattr(part, name), getattr(reference, name)), name
+    assert (part.raw_prompts, part.data_sources) == (reference.raw_prompts, reference.data_sources)
+    assert (part.ground_truths, part.extra_infos) == (reference.ground_truths, reference.extra_infos)
+    twice = batch.repeat(2)  # prompt-major: each prompt n times in a row, as engines return the n responses
+    rows = collate([item for item in items for _ in range(2)], pad_token_id=9)
+    for name in ("input_ids", "attention_mask", "position_ids", "indices"):
+        assert torch.equal(getattr(twice, name), getattr(rows, name)), name
+    assert twice.raw_prompts == ["p0", "p0", "p1", "p1", "p2", "p2", "p3", "p3"] and len(twice) == 8
+    assert twice.extra_infos == rows.extra_infos and twice.ground_truths == rows.ground_truths
+    with pytest.raises(TypeError, match="sliced by a slice"):
+        batch[0]
+
+
 def _run(loader: PromptLoader, epochs: int) -> list[list[int]]:
     return [batch.indices.tolist() for _ in range(loader.epoch, epochs) for batch in loader]
 

@@ -77,13 +77,13 @@ def test_rollout_batch_keeps_tool_turns_attended_but_out_of_the_loss():
     import torch
 
     from mppo.data.loader import PromptBatch
-    from mppo.rollout.agent_loop import AgentResponse
     from mppo.trainer.rollout_batch import build_rollout_batch
 
     prompts = PromptBatch(input_ids=torch.tensor([[9, 5]]), attention_mask=torch.tensor([[1, 1]]),
                           position_ids=torch.tensor([[0, 1]]), raw_prompts=["p"], data_sources=["d"],
                           ground_truths=[None], extra_infos=[None], indices=torch.tensor([3]))
-    response = AgentResponse(0, 0, [1, 2, 7, 7, 3], [-0.1, -0.2, 0.0, 0.0, -0.3], [1, 1, 0, 0, 1], 1, "stop")
+    response = RolloutResponse(0, 0, [1, 2, 7, 7, 3], [-0.1, -0.2, 0.0, 0.0, -0.3], "stop", loss_mask=[1, 1, 0, 0, 1],
+                               num_tool_calls=1)
     b = build_rollout_batch(prompts, [response], n=1, max_response_length=6, pad_token_id=0)
     assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 1, 1, 0]]
     assert b["response_mask"].tolist() == [[1, 1, 0, 0, 1, 0]]
@@ -155,11 +155,10 @@ def test_build_agent_loop_rejects_what_cannot_work(tmp_path):
 
 
 def test_responses_keep_their_loss_masks_through_the_factory_gather():
-    from mppo.rollout.agent_loop import AgentResponse
     from mppo.rollout.factory import _pack, _unpack
 
-    agent = [AgentResponse(4, 1, [5, 6, 7], [-0.25, 0.0, -1.5], [1, 0, 1], 2, "length"),
-             AgentResponse(9, 0, [8], [-0.125], [1], 0, "stop")]
+    agent = [RolloutResponse(4, 1, [5, 6, 7], [-0.25, 0.0, -1.5], "length", loss_mask=[1, 0, 1], num_tool_calls=2),
+             RolloutResponse(9, 0, [8], [-0.125], "stop", loss_mask=[1], num_tool_calls=0)]
     assert _unpack(_pack(agent)) == agent
     plain = [RolloutResponse(3, 0, [1, 2], [-0.5, -0.75], "stop")]
     assert _unpack(_pack(plain)) == plain

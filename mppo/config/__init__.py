@@ -22,7 +22,9 @@ plain `MppoConfig` dataclass tree (no omegaconf objects): `cfg.actor_rollout_ref
 """
 from __future__ import annotations
 
-from mppo.config.loader import config_hash, get_key, load_config, parse_override, resolve, to_yaml
+from mppo.config.keys import get_key
+from mppo.config.loader import config_hash, load_config, parse_override, to_yaml
+from mppo.config.resolve import resolve
 from mppo.config.schema import (
     ActorConfig, ActorRolloutRefConfig, AlgorithmConfig, ConfigError, CriticConfig, DataConfig, KLControlConfig,
     MegatronConfig, ModelConfig, MppoConfig, OptimConfig, RefConfig, RewardConfig, RolloutConfig, SamplingConfig,

@@ -46,3 +46,39 @@ def old_log_prob_pass(cfg: MppoConfig) -> bool:
     """Whether a step runs a separate old-log-prob forward before the update: not when the update's forward
     supplies them (`old_log_prob_reuse`), nor in rollout-correction bypass mode (they are the engine's)."""
     return not cfg.algorithm.rollout_correction.bypass_mode and not old_log_prob_reuse(cfg)[0]
+
+
+def uses_reference(cfg: MppoConfig) -> bool:
+    """Whether the run builds a reference model: for the KL penalty in the reward or the KL loss."""
+    return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
+
+
+def uses_critic(cfg: MppoConfig) -> bool:
+    """Whether the run builds a critic (`critic.enable`, which resolution derives from the estimator when null)."""
+    return bool(cfg.critic.enable)
+
+
+def ref_token_budget(cfg: MppoConfig) -> int | None:
+    """The reference's token budget per micro-batch: with dynamic batch sizes the actor's (as veRL's ref follows the
+    actor's log_prob_use_dynamic_bsz); None: it splits by ref.log_prob_micro_batch_size_per_gpu."""
+    actor = cfg.actor_rollout_ref.actor
+    return actor.ppo_max_token_len_per_gpu if actor.use_dynamic_bsz else None
+
+
+def old_log_prob_micro_batch(cfg: MppoConfig) -> int | None:
+    """Micro-batch size of the old-log-prob pass: veRL's rollout.log_prob_micro_batch_size_per_gpu; None with
+    dynamic batch sizes (the update's token budget)."""
+    arr = cfg.actor_rollout_ref
+    return None if arr.actor.use_dynamic_bsz else arr.rollout.log_prob_micro_batch_size_per_gpu
+
+
+def old_log_prob_source(cfg: MppoConfig) -> str | None:
+    """Where the actor update's old log-probs come from, for the start-up log when a config asks for a shortcut
+    (actor.reuse_on_policy_log_prob, rollout-correction bypass mode); None: the usual separate pass."""
+    bypass = cfg.algorithm.rollout_correction.bypass_mode
+    if not (cfg.actor_rollout_ref.actor.reuse_on_policy_log_prob or bypass):
+        return None
+    if bypass:
+        return "from the rollout engine (rollout correction bypass mode)"
+    reuse, why_not = old_log_prob_reuse(cfg)
+    return "from the actor update's forward (on-policy step)" if reuse else f"recomputed before the update: {why_not}"

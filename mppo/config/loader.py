@@ -20,36 +20,13 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mppo.config.schema import INHERITED_FROM, ConfigError, MppoConfig
+from mppo.config.keys import get_key, schema_leaves, schema_sections, show
+from mppo.config.resolve import resolve
+from mppo.config.schema import ConfigError, MppoConfig
+from mppo.config.validate import validate
 
 
 # ------------------------------------------------------------------------------------------ schema introspection
-@dataclasses.dataclass(frozen=True)
-class Leaf:
-    """One settable key of the schema."""
-
-    type: Any  # the annotated type, e.g. int, Optional[List[str]]
-    choices: tuple[str, ...] | None  # allowed values for str keys (each item for list keys)
-
-
-@lru_cache(maxsize=None)
-def schema_leaves() -> dict[str, Leaf]:
-    """Dotted key -> Leaf for every settable key, in schema order."""
-    leaves: dict[str, Leaf] = {}
-
-    def walk(cls: type, prefix: str) -> None:
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            key = f"{prefix}{f.name}"
-            if dataclasses.is_dataclass(hints[f.name]):
-                walk(hints[f.name], key + ".")
-            else:
-                leaves[key] = Leaf(hints[f.name], f.metadata.get("choices"))
-
-    walk(MppoConfig, "")
-    return leaves
-
-
 @lru_cache(maxsize=None)
 def _structured_defaults() -> DictConfig:
     """The defaults as a typed omegaconf node; build once (~20 ms), deep-copy per load (~2 ms)."""
@@ -60,22 +37,10 @@ def _fresh_defaults() -> DictConfig:
     return copy.deepcopy(_structured_defaults())
 
 
-@lru_cache(maxsize=None)
-def schema_sections() -> frozenset[str]:
-    return frozenset(k.rsplit(".", i)[0] for k in schema_leaves() for i in range(1, k.count(".") + 1))
-
-
 def _base_type(tp: Any) -> Any:
     """Optional[X] -> X."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     return args[0] if typing.get_origin(tp) is typing.Union and len(args) == 1 else tp
-
-
-def show(value: Any) -> str:
-    """A value as the user wrote it in YAML: true, null, 'text', 1e-06."""
-    if isinstance(value, bool) or value is None:
-        return {True: "true", False: "false", None: "null"}[value]
-    return repr(value)
 
 
 def _union_members(tp: Any) -> list[Any]:
@@ -238,49 +203,6 @@ def _read_yaml(path: str) -> dict:
     return data
 
 
-# ---------------------------------------------------------------------------------------------------- resolution
-def get_key(cfg: Any, key: str) -> Any:
-    """The value at dotted `key` of a config dataclass (or of a nested dict)."""
-    obj: Any = cfg
-    for part in key.split("."):
-        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
-    return obj
-
-
-def _set(cfg: MppoConfig, key: str, value: Any) -> None:
-    parent, _, name = key.rpartition(".")
-    setattr(get_key(cfg, parent), name, value)
-
-
-def resolve(cfg: MppoConfig) -> MppoConfig:
-    """A copy with every inherited null filled from its parent key and critic.enable decided.
-
-    Virtual pipeline size 1 is normalised to null (both mean no interleaving), so workers see null or >= 2.
-    """
-    cfg = copy.deepcopy(cfg)
-
-    def fill(key: str) -> Any:
-        value = get_key(cfg, key)
-        if value is None and key in INHERITED_FROM:
-            value = fill(INHERITED_FROM[key])
-            _set(cfg, key, value)
-        return value
-
-    for key in INHERITED_FROM:
-        fill(key)
-    for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
-        if get_key(cfg, f"{role}.megatron.virtual_pipeline_model_parallel_size") == 1:
-            _set(cfg, f"{role}.megatron.virtual_pipeline_model_parallel_size", None)
-    from mppo.core_algos import estimators_needing  # lazy: keeps `import mppo.config` light
-
-    if cfg.critic.enable is None:
-        cfg.critic.enable = cfg.algorithm.adv_estimator in estimators_needing("values")
-    actor = cfg.actor_rollout_ref.actor
-    if actor.calculate_sum_pi_squared is None:
-        actor.calculate_sum_pi_squared = cfg.algorithm.adv_estimator in estimators_needing("sum_pi_squared")
-    return cfg
-
-
 def _resolution_error(cfg: DictConfig, error: Exception) -> ConfigError:
     """Name the key whose ${...} interpolation failed (omegaconf's to_object does not always say which)."""
     raw = OmegaConf.to_container(cfg, resolve=False)
@@ -301,8 +223,6 @@ def load_config(path: str | None, overrides: Iterable[str] = (), world_size: int
     `world_size`: the number of ranks the run will have (torchrun's WORLD_SIZE); None: nnodes x n_gpus_per_node.
     Raises ConfigError (user mistakes) or FileNotFoundError (no such config file).
     """
-    from mppo.config.validate import validate
-
     cfg = _fresh_defaults()
     if path is not None:
         for key, value in _flatten(_read_yaml(path)):

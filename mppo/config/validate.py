@@ -13,7 +13,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from mppo.config.loader import get_key, resolve, schema_leaves, show
+from mppo.config.keys import get_key, schema_leaves, show
+from mppo.config.resolve import resolve
 from mppo.config.schema import ACTOR, ConfigError, MppoConfig
 
 ROLLOUT = "actor_rollout_ref.rollout"
@@ -143,6 +144,23 @@ def _world(cfg: MppoConfig, world_size: int | None) -> tuple[int, str]:
                           f"trainer.n_gpus_per_node = {t.nnodes} x {t.n_gpus_per_node} = {planned}; "
                           f"set them to match the launch, e.g. {per_node}")
     return world_size, f"WORLD_SIZE = {world_size}"
+
+
+SHARED_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                      "virtual_pipeline_model_parallel_size", "expert_model_parallel_size")
+
+
+def check_shared_layout(cfg: MppoConfig) -> None:
+    """Actor, critic and reference share megatron's one set of process groups, so they share one layout (for the
+    critic and reference even when they are not built). Not part of `validate`, which checks each role's layout on
+    its own (configs for other trainers load too): `mppo train`, with or without --dry-run, and the trainer check
+    it."""
+    actor = cfg.actor_rollout_ref.actor.megatron
+    for role, section in (("critic", cfg.critic.megatron), (REF, cfg.actor_rollout_ref.ref.megatron)):
+        for key in SHARED_LAYOUT_KEYS:
+            if getattr(section, key) != getattr(actor, key):
+                raise ConfigError(f"{role}.megatron.{key}={getattr(section, key)} differs from the actor's "
+                                  f"{getattr(actor, key)}; mppo runs all models on one layout: leave it null")
 
 
 def _data_parallel_size(cfg: MppoConfig, role: str, world: int, world_text: str) -> int:

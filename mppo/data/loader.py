@@ -7,7 +7,7 @@ restored from it hands out exactly the batches an uninterrupted run would have.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,22 @@ class PromptBatch:
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    def __getitem__(self, rows: slice) -> "PromptBatch":
+        """The prompts of `rows` (a slice), every field sliced alike."""
+        if not isinstance(rows, slice):
+            raise TypeError(f"a PromptBatch is sliced by a slice, not {type(rows).__name__}")
+        return PromptBatch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
+    def repeat(self, n: int) -> "PromptBatch":
+        """Each prompt `n` times in a row (prompt-major, as engines return the n responses of each prompt)."""
+        return PromptBatch(**{f.name: _repeat_rows(getattr(self, f.name), n) for f in fields(self)})
+
+
+def _repeat_rows(rows: torch.Tensor | list, n: int) -> torch.Tensor | list:
+    if isinstance(rows, torch.Tensor):
+        return rows.repeat_interleave(n, dim=0)
+    return [row for row in rows for _ in range(n)]
 
 
 def collate(items: Sequence[PromptItem], pad_token_id: int, pad_to_length: int | None = None) -> PromptBatch:

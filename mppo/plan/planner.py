@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mppo.config import MppoConfig, get_key, resolve
-from mppo.config.decisions import old_log_prob_pass
+from mppo.config.decisions import old_log_prob_pass, uses_critic, uses_reference
 from mppo.models.hf_config import HFModelArgs
 from mppo.plan import memory as mem
 from mppo.plan.catalog import DEVICES, DeviceSpec, GiB
@@ -173,16 +173,12 @@ def _finite(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------- layouts
-def uses_ref(cfg: MppoConfig) -> bool:
-    return cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
-
-
 def _layouts(cfg: MppoConfig, world: int, seq: int) -> list[mem.RoleLayout]:
     arr, n, samples = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size
     dynamic = arr.actor.use_dynamic_bsz
     roles = [("actor", arr.actor, True)]
-    roles += [("critic", cfg.critic, True)] if cfg.critic.enable else []
-    roles += [("ref", arr.ref, False)] if uses_ref(cfg) else []
+    roles += [("critic", cfg.critic, True)] if uses_critic(cfg) else []
+    roles += [("ref", arr.ref, False)] if uses_reference(cfg) else []
     out = []
     for role, section, trains in roles:
         m = section.megatron
@@ -321,7 +317,7 @@ def _moe(cfg: MppoConfig, a: HFModelArgs, layouts: list[mem.RoleLayout], roles: 
         return None
     actor = layouts[0]
     tokens = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n * seq / actor.dp
-    passes = 2 * cfg.actor_rollout_ref.actor.ppo_epochs + int(old_log_prob_pass(cfg)) + int(uses_ref(cfg))
+    passes = 2 * cfg.actor_rollout_ref.actor.ppo_epochs + int(old_log_prob_pass(cfg)) + int(uses_reference(cfg))
     stage = next(r.stage for r in roles if r.layout.role == "actor")
     return MoEPlan(actor.ep, a.num_experts // actor.ep, mem.stage_expert_params(a, actor, stage),
                    passes * mem.all_to_all_bytes(a, tokens, actor.ep, prec.act_bytes))

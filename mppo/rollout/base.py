@@ -98,6 +98,10 @@ class RolloutResponse:
     # [len(prompt) + len(token_ids) - 1, MoE layers, top_k] int32 (the last token is never fed back); None when not
     # recorded
     routed_experts: torch.Tensor | None = None
+    # multi-turn responses (mppo.rollout.agent_loop), None otherwise: 1 on each token the model generated, 0 on the
+    # tool turns' tokens (attended, not trained on); and the tool calls the conversation made
+    loss_mask: list[int] | None = None
+    num_tool_calls: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.log_probs):
@@ -107,6 +111,9 @@ class RolloutResponse:
             )
         if self.finish_reason not in ("stop", "length"):
             raise ValueError(f"finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.token_ids):
+            raise ValueError(f"RolloutResponse for prompt {self.prompt_index} sample {self.sample_index}: "
+                             f"{len(self.token_ids)} token ids but a loss mask of {len(self.loss_mask)}")
 
 
 def iter_weight_buckets(named_tensors: WeightStream) -> Iterator[list[NamedTensor]]:

@@ -53,7 +53,7 @@ from torch import nn
 
 from mppo.config import ConfigError, MppoConfig
 from mppo.models.hf_config import HFModelArgs, read_hf_config
-from mppo.rollout.agent_loop import AgentLoop, AgentResponse, ToolRunner
+from mppo.rollout.agent_loop import AgentLoop, ToolRunner
 from mppo.rollout.base import RolloutEngine, RolloutResponse, SamplingParams
 from mppo.rollout.seeding import stable_hash63
 from mppo.rollout.tools import ToolCall
@@ -254,7 +254,7 @@ class Rollout:
         return stats
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, step: int,
-                 first_index: int = 0, agent: AgentLoop | None = None) -> list[RolloutResponse | AgentResponse]:
+                 first_index: int = 0, agent: AgentLoop | None = None) -> list[RolloutResponse]:
         """Step 5: every response to the GLOBAL `prompts` (prompt i has global index first_index + i), on every
         rank, prompt-major in global order. Each group generates its share (module docstring); with `agent`
         (rollout.multi_turn) each group runs the agent loop on its share, over its engine."""
@@ -306,9 +306,9 @@ class Rollout:
         return [resp for part in parts for resp in _unpack(part)]
 
 
-def _pack(responses: list[RolloutResponse | AgentResponse]) -> dict[str, torch.Tensor]:
-    """Responses as a few flat tensors (they pickle as raw bytes, unlike lists of Python numbers). Agent loop
-    responses also carry their loss masks and tool-call counts."""
+def _pack(responses: list[RolloutResponse]) -> dict[str, torch.Tensor]:
+    """Responses as a few flat tensors (they pickle as raw bytes, unlike lists of Python numbers), with what they
+    carry beyond tokens and log-probs: routed experts, multi-turn loss masks and tool-call counts."""
     lengths = [len(r.token_ids) for r in responses]
     packed = {
         "keys": torch.tensor([[r.prompt_index, r.sample_index, r.finish_reason == "stop"] for r in responses],
@@ -316,37 +316,28 @@ def _pack(responses: list[RolloutResponse | AgentResponse]) -> dict[str, torch.T
         "lengths": torch.tensor(lengths, dtype=torch.int64),
         "tokens": torch.tensor([t for r in responses for t in r.token_ids], dtype=torch.int64),
         "log_probs": torch.tensor([lp for r in responses for lp in r.log_probs], dtype=torch.float64),  # lossless
-        **_pack_routes(responses),
     }
-    if responses and isinstance(responses[0], AgentResponse):
+    if responses and responses[0].routed_experts is not None:
+        packed["routes"] = torch.cat([r.routed_experts for r in responses])
+        packed["route_lengths"] = torch.tensor([r.routed_experts.shape[0] for r in responses], dtype=torch.int64)
+    if responses and responses[0].loss_mask is not None:
         packed["loss_mask"] = torch.tensor([m for r in responses for m in r.loss_mask], dtype=torch.int8)
         packed["num_tool_calls"] = torch.tensor([r.num_tool_calls for r in responses], dtype=torch.int64)
     return packed
 
 
-def _pack_routes(responses: list[RolloutResponse | AgentResponse]) -> dict[str, torch.Tensor]:
-    """Routed experts (routing replay), when the engine recorded them: concatenated over responses."""
-    if not responses or getattr(responses[0], "routed_experts", None) is None:  # AgentResponse has none
-        return {}
-    return {"routes": torch.cat([r.routed_experts for r in responses]),
-            "route_lengths": torch.tensor([r.routed_experts.shape[0] for r in responses], dtype=torch.int64)}
-
-
-def _unpack(packed: dict[str, torch.Tensor]) -> list[RolloutResponse | AgentResponse]:
+def _unpack(packed: dict[str, torch.Tensor]) -> list[RolloutResponse]:
     lengths = packed["lengths"].tolist()
     tokens, log_probs = packed["tokens"].split(lengths), packed["log_probs"].split(lengths)
-    keys = packed["keys"].tolist()
-    if "loss_mask" in packed:
-        return [AgentResponse(int(key[0]), int(key[1]), t.tolist(), lp.tolist(), m.tolist(), int(calls),
-                              "stop" if key[2] else "length")
-                for key, t, lp, m, calls in zip(keys, tokens, log_probs, packed["loss_mask"].split(lengths),
-                                                packed["num_tool_calls"].tolist())]
-    routes = (packed["routes"].split(packed["route_lengths"].tolist()) if "routes" in packed
-              else [None] * len(tokens))
+    none = [None] * len(lengths)
+    routes = packed["routes"].split(packed["route_lengths"].tolist()) if "routes" in packed else none
+    loss_masks = [m.tolist() for m in packed["loss_mask"].split(lengths)] if "loss_mask" in packed else none
+    tool_calls = packed["num_tool_calls"].tolist() if "num_tool_calls" in packed else none
     return [RolloutResponse(prompt_index=int(key[0]), sample_index=int(key[1]), token_ids=t.tolist(),
                             log_probs=lp.tolist(), finish_reason="stop" if key[2] else "length",
-                            routed_experts=experts)
-            for key, t, lp, experts in zip(keys, tokens, log_probs, routes)]
+                            routed_experts=experts, loss_mask=mask, num_tool_calls=calls)
+            for key, t, lp, experts, mask, calls in zip(packed["keys"].tolist(), tokens, log_probs, routes,
+                                                         loss_masks, tool_calls)]
 
 
 def build_rollout(cfg: MppoConfig, *, device: torch.device, dtype: torch.dtype, log_dir: Path) -> Rollout:

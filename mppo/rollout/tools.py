@@ -27,7 +27,6 @@ __all__ = ["ToolCall", "TOOL_REGISTRY", "register_tool", "parse_tool_calls", "ru
            "calculator"]
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-TRUNCATE_SIDES = ("left", "middle", "right")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import torch
 from mppo.config import ConfigError, MppoConfig
 from mppo.data import PromptLoader, RLDataset, load_tokenizer
 from mppo.errors import UserError
+from mppo.preflight import check_config
 from mppo.rewards import RewardManager, known_data_sources, resolve_compute_score
 from mppo.data.dataset import REWARD_STYLE_KEY
 from mppo.rewards.answer import REWARD_STYLES
@@ -56,26 +57,14 @@ def model_facts(model_path: str) -> dict[str, Any]:
     return {key: config.get(key) for key in MODEL_FACTS}
 
 
-def check_gpu_packages(cfg: MppoConfig) -> None:
-    """Stop at start-up when the config asks for a GPU package that is missing or of the wrong version (named with
-    its install line): Transformer Engine, the rollout engine's package."""
+def check_startup(cfg: MppoConfig) -> None:
+    """What stops a run at start-up, in seconds, before megatron is imported or any model is built: check_config,
+    then what this machine must have (the GPU packages the config asks for, its device)."""
     from mppo.models.spec import resolve_transformer_impl
-    from mppo.rollout.factory import check_rollout_setup
 
+    check_config(cfg)
     resolve_transformer_impl(cfg.actor_rollout_ref.model.transformer_impl)  # raises MissingGpuPackageError
-    check_rollout_setup(cfg)
-
-
-def check_models(cfg: MppoConfig) -> None:
-    """Stop at start-up on a model mppo cannot map (an unknown model_type, an unsupported MoE variant such as shared
-    experts or another router): one line naming the config.json key, before megatron is imported. A model directory
-    without config.json is left to the model loader, which names the missing file."""
-    from mppo.models.hf_config import read_hf_config
-
-    paths = [cfg.actor_rollout_ref.model.path] + ([cfg.critic.model.path] if cfg.critic.enable else [])
-    for path in dict.fromkeys(p for p in paths if p):
-        if (Path(path).expanduser() / "config.json").is_file():
-            read_hf_config(Path(path).expanduser())
+    check_device(cfg)
 
 
 def check_device(cfg: MppoConfig) -> None:

@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
+from mppo.config import MppoConfig
 from mppo.data.loader import PromptBatch
+from mppo.trainer.parallel_io import ModelParallelIO
 from mppo.trainer.rollout_batch import all_gather_rows, local_rows
-
-if TYPE_CHECKING:
-    from mppo.trainer.fit import PPOTrainer
 
 log = logging.getLogger("mppo")
 
@@ -68,24 +66,32 @@ def _concat(parts: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
+# (GLOBAL prompts of a generation batch, global index of its first prompt) -> this DP rank's rows, rolled out and
+# rewarded (token_level_scores, reward_errors)
+GenerationBatch = Callable[[PromptBatch, int], dict[str, torch.Tensor]]
+
+
 class DynamicSampler:
     """Collects one step's training batch from as many generation batches as `algorithm.filter_groups` needs."""
 
-    def __init__(self, trainer: "PPOTrainer") -> None:
-        cfg = trainer.cfg
-        self.trainer = trainer
+    def __init__(self, cfg: MppoConfig, io: ModelParallelIO, *, dataset_size: int, n: int, pad_token_id: int,
+                 generation_batch: GenerationBatch) -> None:
+        self.io = io
+        self.n = n
+        self.pad_token_id = pad_token_id
+        self.generation_batch = generation_batch
         self.train_groups = cfg.data.train_batch_size
         self.gen_batch_size = cfg.data.gen_batch_size or cfg.data.train_batch_size
         self.max_gen_batches = cfg.algorithm.filter_groups.max_num_gen_batches
-        self.dataset_size = len(trainer.data.train_loader.dataset)
+        self.dataset_size = dataset_size
 
-    def collect(self, prompts: PromptBatch, more_prompts: Callable[[], PromptBatch] | None
+    def collect(self, batch: dict[str, torch.Tensor], more_prompts: Callable[[], PromptBatch] | None, *, step: int
                 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """This rank's share of the step's rollout batch (exactly train_batch_size groups) and the metrics."""
-        trainer, io = self.trainer, self.trainer.io
+        """This rank's share of step `step`'s rollout batch (exactly train_batch_size groups), starting from `batch`
+        (generation batch 0, rolled out and rewarded), and the metrics."""
+        io = self.io
         kept_parts, filtered_parts, num_kept, num_filtered, errors, gen = [], [], 0, 0, 0.0, 0
         while True:
-            batch = trainer.train_rollout(prompts, gen * self.gen_batch_size)
             errors += float(all_gather_rows(batch.pop("reward_errors"), io.dp_group).sum())
             batch["uid"] = batch["uid"] + gen * self.dataset_size
             full = {k: all_gather_rows(v.cpu(), io.dp_group) for k, v in batch.items()}
@@ -100,15 +106,14 @@ class DynamicSampler:
                 break
             if 0 < self.max_gen_batches <= gen:
                 break
-            prompts = more_prompts()
-        n = trainer.train_sampling.n
+            batch = self.generation_batch(more_prompts(), gen * self.gen_batch_size)
         filled = max(0, self.train_groups - num_kept)
         if filled:
             log.warning("step %d: %d of %d groups kept after %d generation batches (algorithm.filter_groups."
-                        "max_num_gen_batches=%d); %d filtered groups fill the batch", trainer.step + 1, num_kept,
+                        "max_num_gen_batches=%d); %d filtered groups fill the batch", step, num_kept,
                         self.train_groups, gen, self.max_gen_batches, filled)
-        full = _concat(kept_parts + filtered_parts, trainer.data.tokenizer.pad_token_id)
-        full = {k: v[:self.train_groups * n] for k, v in full.items()}
+        full = _concat(kept_parts + filtered_parts, self.pad_token_id)
+        full = {k: v[:self.train_groups * self.n] for k, v in full.items()}
         local_batch = {k: local_rows(v, io.dp_group) for k, v in full.items()}
         local_batch["reward_errors"] = torch.tensor([errors if io.dims.dp_rank == 0 else 0.0])
         metrics = {"train/num_gen_batches": float(gen), "train/filter_groups/kept_groups": float(num_kept),

@@ -1,19 +1,18 @@
 """How the SPMD ranks share work: DP slices of the prompt batch, and the model-parallel group's leader.
 
-Within one model-parallel group (the TP×PP ranks holding one model replica) only the leader (tp_rank 0, pp_rank 0)
-scores its DP rows of the responses; it broadcasts the resulting batch to the rest of its group, so every rank then
-runs the same log-prob and update passes on the same rows. (Who generates is mppo.rollout.factory's business.)
+Every rank has every response (mppo.rollout.factory gathers them) and builds its DP rows itself; within one
+model-parallel group (the TP×PP ranks holding one model replica) only the leader (tp_rank 0, pp_rank 0) scores them
+and broadcasts the scores to the rest of its group, so every rank then runs the same log-prob and update passes on
+the same rows.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from mppo.data.loader import PromptBatch
-from mppo.parallel import ParallelDims, collective_device
+from mppo.parallel import ParallelDims
 
 
 class ModelParallelIO:
@@ -37,11 +36,7 @@ class ModelParallelIO:
             raise ValueError(f"{total} prompts do not split over {dp} data-parallel ranks")
         size = total // dp
         start = self.dims.dp_rank * size
-        part = slice(start, start + size)
-        return replace(prompts, input_ids=prompts.input_ids[part], attention_mask=prompts.attention_mask[part],
-                       position_ids=prompts.position_ids[part], raw_prompts=prompts.raw_prompts[part],
-                       data_sources=prompts.data_sources[part], ground_truths=prompts.ground_truths[part],
-                       extra_infos=prompts.extra_infos[part], indices=prompts.indices[part]), start
+        return prompts[start:start + size], start
 
     def broadcast_from_leader(self, obj: Any) -> Any:
         if self.mp_group is None or dist.get_world_size(self.mp_group) == 1:
@@ -49,14 +44,3 @@ class ModelParallelIO:
         box = [obj]
         dist.broadcast_object_list(box, src=self.leader_rank, group=self.mp_group)
         return box[0]
-
-    def mean_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Average per-rank scalar metrics over DP ranks (every rank must pass the same keys)."""
-        if self.dp_group is None or dist.get_world_size(self.dp_group) == 1 or not metrics:
-            return metrics
-        keys = sorted(metrics)
-        values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64,
-                              device=collective_device(self.dp_group))
-        dist.all_reduce(values, group=self.dp_group)
-        values /= dist.get_world_size(self.dp_group)
-        return dict(zip(keys, values.tolist()))

@@ -7,15 +7,10 @@ tokens), one per prompt, repeated for the prompt's n samples. The greedy respons
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 
-from mppo.data.loader import PromptBatch
 from mppo.rollout.base import SamplingParams
-
-if TYPE_CHECKING:
-    from mppo.trainer.fit import PPOTrainer
 
 
 def greedy_baseline_sampling(sampling: SamplingParams) -> SamplingParams:
@@ -23,9 +18,7 @@ def greedy_baseline_sampling(sampling: SamplingParams) -> SamplingParams:
     return replace(sampling, n=1, do_sample=False)
 
 
-def reward_baselines(trainer: "PPOTrainer", prompts: PromptBatch, first_index: int, step: int) -> torch.Tensor:
-    """[B * n] fp32: the greedy response's reward of each of this DP rank's prompts of the GLOBAL `prompts`, once
+def reward_baselines(greedy_scores: torch.Tensor, n: int) -> torch.Tensor:
+    """[B * n] fp32 from the [B, T] token-level scores of the B greedy responses: each prompt's greedy reward, once
     per sampled response (rows in the rollout batch's order: prompt-major, as `build_rollout_batch` lays them out)."""
-    baseline = trainer.generate(prompts, first_index, greedy_baseline_sampling(trainer.train_sampling), step)
-    scores = baseline["token_level_scores"].sum(dim=-1).float()
-    return scores.repeat_interleave(trainer.train_sampling.n)
+    return greedy_scores.sum(dim=-1).float().repeat_interleave(n)

@@ -43,14 +43,14 @@ def build_rollout_batch(prompts: PromptBatch, responses: Sequence[RolloutRespons
                              f"max_response_length={max_response_length}")
         responses_t[r, :length] = torch.tensor(resp.token_ids, dtype=torch.int64)
         valid[r, :length] = 1
-        loss_mask = getattr(resp, "loss_mask", None)  # mppo.rollout.agent_loop.AgentResponse
-        response_mask[r, :length] = 1.0 if loss_mask is None else torch.tensor(loss_mask, dtype=torch.float32)
+        response_mask[r, :length] = (1.0 if resp.loss_mask is None  # multi-turn: 0 on the tool turns
+                                     else torch.tensor(resp.loss_mask, dtype=torch.float32))
         rollout_log_probs[r, :length] = torch.tensor(resp.log_probs, dtype=torch.float32)
     multi_turn = {}
-    if responses and hasattr(responses[0], "num_tool_calls"):  # agent loop responses
+    if responses and responses[0].num_tool_calls is not None:  # agent loop responses
         multi_turn["num_tool_calls"] = torch.tensor([r.num_tool_calls for r in responses], dtype=torch.int64)
-    prompt_ids = prompts.input_ids.repeat_interleave(n, dim=0)
-    prompt_mask = prompts.attention_mask.repeat_interleave(n, dim=0)
+    rows_prompts = prompts.repeat(n)  # row r's prompt
+    prompt_ids, prompt_mask = rows_prompts.input_ids, rows_prompts.attention_mask
     attention_mask = torch.cat([prompt_mask, valid], dim=1)
     batch = {
         "input_ids": torch.cat([prompt_ids, responses_t], dim=1),
@@ -61,10 +61,10 @@ def build_rollout_batch(prompts: PromptBatch, responses: Sequence[RolloutRespons
         "response_mask": response_mask,
         "rollout_log_probs": rollout_log_probs,
         # Group id of each row: the prompt's GLOBAL dataset index (GRPO-style estimators group by it).
-        "uid": prompts.indices.repeat_interleave(n),
+        "uid": rows_prompts.indices,
         **multi_turn,  # num_tool_calls [B·n]: tool calls of each multi-turn response
     }
-    if responses and getattr(responses[0], "routed_experts", None) is not None:  # AgentResponse has none
+    if responses and responses[0].routed_experts is not None:
         batch["routed_experts"] = _routes_by_column(responses, prompt_mask, max_response_length)
     return batch
 
