@@ -3,18 +3,28 @@
 # SmolLM2-135M-Instruct may call the calculator (configs/countdown_tool_smollm2.yaml), 2 CPU ranks. Prints the
 # tool-call rate (multi_turn/tool_call_rate: responses with at least one call), the calls per response and the
 # training score (critic/score/mean) per step, first half vs second half.
-#   1. model  `mppo convert gguf-to-hf --model smollm2-135m-instruct` (cached in ~/.cache/mppo)
-#   2. data   `mppo data countdown --template tool` (the hermes calculator call shown in the user text), 2 operands
-#             of 1..10 (a 135M model solves a few of those; 3 operands of 1..100 it never does)
-#   3. GRPO   `torchrun --nproc_per_node 2 -m mppo train configs/countdown_tool_smollm2.yaml`
-# Under RUN_DIR (default runs/tool_countdown). Knobs: PYTHON, BENCH_STEPS (default 10), BENCH_SEED; extra arguments
-# are config overrides (key=value).
+#   1. model   `mppo convert gguf-to-hf --model smollm2-135m-instruct` (cached in ~/.cache/mppo)
+#   2. data    `mppo data countdown --template tool` (the hermes calculator call shown in the user text), 3 operands
+#              of 1..10, targets <= 50 (arithmetic a 135M model mostly gets wrong on its own)
+#   3. warm-up `mppo sft --tool-fraction` (mppo/sft_tool.py): the untuned model never writes a complete call, so a
+#              short SFT on a mix of demonstrations gives it a low but non-zero call rate: WARMUP_TOOL_FRACTION of
+#              them call the calculator (half of those first try a wrong candidate, read its result, call again;
+#              tool turns out of the loss), the rest answer directly, half of those with random operators
+#   4. GRPO    `torchrun --nproc_per_node 2 -m mppo train configs/countdown_tool_smollm2.yaml` from the warm-up
+# Under RUN_DIR (default runs/tool_countdown). Knobs: PYTHON, BENCH_STEPS (default 10), BENCH_SEED, WARMUP_STEPS,
+# WARMUP_TOOL_FRACTION, WARMUP_LR, BENCH_TOOL=0 (the same schedule with the tool disabled: multi_turn off, so a
+# call is plain text); extra arguments are config overrides (key=value).
 set -euo pipefail
 
 RUN_DIR="${RUN_DIR:-runs/tool_countdown}"
 PYTHON="${PYTHON:-python}"
 STEPS="${BENCH_STEPS:-10}"
 SEED="${BENCH_SEED:-0}"
+WARMUP_STEPS="${WARMUP_STEPS:-30}"
+WARMUP_TOOL_FRACTION="${WARMUP_TOOL_FRACTION:-0.3}"
+WARMUP_LR="${WARMUP_LR:-3e-5}"
+TOOL_ARGS=()
+if [[ "${BENCH_TOOL:-1}" == 0 ]]; then TOOL_ARGS=(actor_rollout_ref.rollout.multi_turn.enable=false); fi
 mkdir -p "$RUN_DIR"
 RUN_DIR="$(cd "$RUN_DIR" && pwd)"
 export RUN_DIR
@@ -24,19 +34,30 @@ source launch/demo_lib.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" CUDA_VISIBLE_DEVICES="" TOKENIZERS_PARALLELISM=false
 
 if [[ ! -f "$RUN_DIR/model/config.json" ]]; then
-    say "1/3 model: mppo convert gguf-to-hf --model smollm2-135m-instruct"
+    say "1/4 model: mppo convert gguf-to-hf --model smollm2-135m-instruct"
     "$PYTHON" -m mppo convert gguf-to-hf --model smollm2-135m-instruct --out "$RUN_DIR/model"
 fi
 if [[ ! -f "$RUN_DIR/data/train.parquet" ]]; then
-    say "2/3 data: mppo data countdown --template tool --num-operands 2 --max-number 10 --max-target 20"
-    "$PYTHON" -m mppo data countdown --out "$RUN_DIR/data" --template tool --num-operands 2 --max-number 10 \
-        --max-target 20 --train-size 80 --test-size 16 --seed "$SEED"
+    say "2/4 data: mppo data countdown --template tool --num-operands 3 --max-number 10 --max-target 50"
+    "$PYTHON" -m mppo data countdown --out "$RUN_DIR/data" --template tool --num-operands 3 --max-number 10 \
+        --max-target 50 --train-size 400 --test-size 32 --seed 0
 fi
-say "3/3 GRPO with the calculator: $STEPS steps"
-train_two_ranks configs/countdown_tool_smollm2.yaml trainer.total_training_steps="$STEPS" trainer.seed="$SEED" "$@"
+if [[ ! -f "$RUN_DIR/warmup/config.json" ]]; then
+    say "3/4 warm-up: mppo sft --tool-fraction $WARMUP_TOOL_FRACTION, $WARMUP_STEPS steps"
+    "$PYTHON" -m mppo sft --model "$RUN_DIR/model" --data "$RUN_DIR/data/train.parquet" --out "$RUN_DIR/warmup" \
+        --tool-fraction "$WARMUP_TOOL_FRACTION" --tool-retry-fraction 0.5 --solution-noise 0.5 \
+        --steps "$WARMUP_STEPS" --batch-size 4 --lr "$WARMUP_LR" --warmup-steps 5 --max-prompt-length 192 \
+        --max-response-length 192 --seed 0 --no-progress
+    took warm-up
+fi
+# GRPO writes its metrics and checkpoint under $GRPO_DIR (one per seed / tool setting), the warm-up is shared
+GRPO_DIR="$RUN_DIR/grpo_seed${SEED}_tool${BENCH_TOOL:-1}"
+say "4/4 GRPO from the warm-up (tool ${BENCH_TOOL:-1}): $STEPS steps -> $GRPO_DIR"
+train_two_ranks configs/countdown_tool_smollm2.yaml trainer.total_training_steps="$STEPS" trainer.seed="$SEED" \
+    trainer.default_local_dir="$GRPO_DIR" ${TOOL_ARGS[@]+"${TOOL_ARGS[@]}"} "$@"
 took GRPO
 
-"$PYTHON" - "$RUN_DIR" <<'PY'
+"$PYTHON" - "$GRPO_DIR" <<'PY'
 import json
 import sys
 from pathlib import Path

@@ -62,6 +62,8 @@ class SFTConfig:
     max_response_length: int = 64  # a target response (with EOS) longer than this is an error
     max_rows: int | None = None  # use only the first N rows of the data (a partial warm-up); None: all
     solution_noise: float = 0.0  # fraction of demonstrations whose operators are replaced by random ones
+    tool_fraction: float = 0.0  # fraction of countdown rows demonstrated with calculator calls (mppo.sft_tool)
+    tool_retry_fraction: float = 0.0  # fraction of those whose first call is a wrong candidate, then the right one
     clip_grad: float = 1.0  # max global grad norm; 0 disables clipping
     seed: int = 0
 
@@ -73,8 +75,9 @@ class SFTConfig:
             raise SFTError(f"lr must be positive, got {self.lr}")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.clip_grad < 0:
             raise SFTError("warmup_steps, weight_decay and clip_grad must not be negative")
-        if not 0.0 <= self.solution_noise <= 1.0:
-            raise SFTError(f"solution_noise is a fraction in [0, 1], got {self.solution_noise}")
+        for name in ("solution_noise", "tool_fraction", "tool_retry_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise SFTError(f"{name} is a fraction in [0, 1], got {getattr(self, name)}")
         if self.max_rows is not None and self.max_rows < 1:
             raise SFTError(f"max_rows must be positive (or None for all rows), got {self.max_rows}")
 
@@ -103,6 +106,8 @@ class SFTResult:
 class SFTExample:
     input_ids: list[int]  # prompt ids followed by response ids (EOS last)
     prompt_length: int
+    # 1/0 per response token (after the prompt): 0 on tool turns (context, no loss; mppo.sft_tool); None: all 1
+    loss_mask: tuple[int, ...] | None = None
 
 
 def format_response(prompt: str, solution: str) -> str:
@@ -168,6 +173,9 @@ def collate(examples: Sequence[SFTExample], pad_token_id: int) -> dict[str, torc
         input_ids[row, :n] = ids
         attention_mask[row, :n] = 1
         labels[row, example.prompt_length:n] = ids[example.prompt_length:]
+        if example.loss_mask is not None:
+            hole = torch.tensor(example.loss_mask, dtype=torch.bool).logical_not()
+            labels[row, example.prompt_length:n][hole] = IGNORE_INDEX
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
@@ -276,8 +284,16 @@ def run_sft(data: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, mo
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     dataset = RLDataset(data, tokenizer, max_prompt_length=config.max_prompt_length,
                         filter_overlong_prompts="error")
-    examples = build_examples(dataset, tokenizer, config.max_response_length, config.max_rows,
-                              config.solution_noise, config.seed)
+    if config.tool_fraction > 0:
+        from mppo.sft_tool import build_tool_examples  # it imports this module
+
+        examples = build_tool_examples(dataset, tokenizer, config.max_response_length,
+                                       tool_fraction=config.tool_fraction, retry_fraction=config.tool_retry_fraction,
+                                       max_rows=config.max_rows, solution_noise=config.solution_noise,
+                                       seed=config.seed)
+    else:
+        examples = build_examples(dataset, tokenizer, config.max_response_length, config.max_rows,
+                                  config.solution_noise, config.seed)
     torch.manual_seed(config.seed)
     model = init_tiny_model(tokenizer, tiny, config.seed) if tiny is not None else load_model(model_path)
     if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
@@ -321,6 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
     train_args.add_argument("--solution-noise", type=float, default=defaults.solution_noise, metavar="P",
                             help="a fraction P of the demonstrations gets random operators (+ - * /) in place of "
                                  "the solution's: the format is learnt, the choice of operator only partly")
+    train_args.add_argument("--tool-fraction", type=float, default=defaults.tool_fraction, metavar="P",
+                            help="countdown only: a fraction P of the demonstrations calls the calculator (hermes "
+                                 "tool call, its real output as a tool turn out of the loss, then the answer)")
+    train_args.add_argument("--tool-retry-fraction", type=float, default=defaults.tool_retry_fraction, metavar="Q",
+                            help="a fraction Q of the tool demonstrations first calls a wrong candidate, reads "
+                                 "its result and calls again")
     train_args.add_argument("--seed", type=int, default=defaults.seed)
     train_args.add_argument("--device", default="cpu", help="cpu or cuda")
     train_args.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -333,7 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = SFTConfig(steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
                        batch_size=args.batch_size, max_prompt_length=args.max_prompt_length,
                        max_response_length=args.max_response_length, max_rows=args.max_rows, seed=args.seed,
-                       solution_noise=args.solution_noise)
+                       solution_noise=args.solution_noise, tool_fraction=args.tool_fraction,
+                       tool_retry_fraction=args.tool_retry_fraction)
     tiny = None
     if args.init_tiny:
         tiny = TinyModelSpec(hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
