@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import random
-import re
 import shutil
 import sys
 from collections.abc import Sequence
@@ -39,16 +37,13 @@ import torch.nn.functional as F
 
 from mppo.data import DatasetError, RLDataset, load_tokenizer
 from mppo.data.tokenizer import TokenizerLoadError
-from mppo.errors import UserError
 from mppo.models.atomic import atomic_directory
 from mppo.models.weights import TOKENIZER_FILES
+from mppo.sft_examples import (SFTError, SFTExample, build_examples, format_response,  # noqa: F401 (public)
+                                noisy_solution)
+from mppo.sft_tool import build_tool_examples
 
 IGNORE_INDEX = -100  # label of a position without loss (prompt, padding)
-THINK_OPEN = "<think>"
-
-
-class SFTError(UserError, ValueError):
-    """The fine-tuning cannot run as asked; the message names the problem and the fix."""
 
 
 @dataclass(frozen=True)
@@ -100,64 +95,6 @@ class TinyModelSpec:
 class SFTResult:
     model: torch.nn.Module  # the fine-tuned model (on CPU, eval mode), as saved
     losses: list[float]  # the loss of every optimizer step
-
-
-@dataclass(frozen=True)
-class SFTExample:
-    input_ids: list[int]  # prompt ids followed by response ids (EOS last)
-    prompt_length: int
-    # 1/0 per response token (after the prompt): 0 on tool turns (context, no loss; mppo.sft_tool); None: all 1
-    loss_mask: tuple[int, ...] | None = None
-
-
-def format_response(prompt: str, solution: str) -> str:
-    """The target response for a prompt whose correct answer is `solution` (see the module docstring)."""
-    think = "" if prompt.rstrip().endswith(THINK_OPEN) else " <think>"
-    return f"{think} </think> <answer> {solution} </answer>"
-
-
-OPERATORS = "+-*/"
-_OPERATOR_RE = re.compile(r"(?<=\s)[-+*/](?=\s)")  # a binary operator as the tasks write it: " + "
-
-
-def noisy_solution(solution: str, rng: random.Random) -> str:
-    """`solution` with every binary operator replaced by one drawn uniformly from + - * / (numbers, their order
-    and the parentheses stay): a plausible, well-formed answer that is right only by chance."""
-    if not _OPERATOR_RE.search(solution):
-        raise SFTError(f"--solution-noise rewrites the operators of an expression, but the solution {solution!r} has "
-                       "none (e.g. a multiply task's product); use --solution-noise 0 for this task")
-    return _OPERATOR_RE.sub(lambda _: rng.choice(OPERATORS), solution)
-
-
-def build_examples(dataset: RLDataset, tokenizer: Any, max_response_length: int,
-                   max_rows: int | None = None, solution_noise: float = 0.0,
-                   seed: int = 0) -> list[SFTExample]:
-    """prompt + target response ids for every row (the first `max_rows`), with clear errors for unusable rows.
-    A seeded fraction `solution_noise` of the rows gets a noisy_solution instead of the correct one."""
-    if tokenizer.eos_token_id is None:
-        raise SFTError("the tokenizer has no EOS token; the response must end with one so that the model learns "
-                       "to stop. Use a tokenizer with eos_token set (build_local_tokenizer sets <|endoftext|>)")
-    count = len(dataset) if max_rows is None else min(max_rows, len(dataset))
-    rng = random.Random(seed)
-    examples = []
-    for i in range(count):
-        item = dataset[i]
-        solution = item.extra_info.get("solution")
-        if isinstance(solution, int) and not isinstance(solution, bool):
-            solution = str(solution)  # e.g. a product stored as a number
-        if not isinstance(solution, str) or not solution.strip():
-            raise SFTError(f"row {i} ({item.data_source}) has no extra_info.solution; SFT trains on the solutions "
-                           "that `mppo data countdown|multiply` writes there, so generate the data with it or add "
-                           "an 'extra_info': {'solution': '...'} to every row")
-        if solution_noise and rng.random() < solution_noise:
-            solution = noisy_solution(solution, rng)
-        response = tokenizer(format_response(item.raw_prompt, solution), add_special_tokens=False)["input_ids"]
-        response = list(response) + [tokenizer.eos_token_id]
-        if len(response) > max_response_length:
-            raise SFTError(f"row {i}'s target response is {len(response)} tokens (EOS included), more than "
-                           f"max_response_length={max_response_length}; raise --max-response-length")
-        examples.append(SFTExample(item.input_ids + response, len(item.input_ids)))
-    return examples
 
 
 def collate(examples: Sequence[SFTExample], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -285,8 +222,6 @@ def run_sft(data: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, mo
     dataset = RLDataset(data, tokenizer, max_prompt_length=config.max_prompt_length,
                         filter_overlong_prompts="error")
     if config.tool_fraction > 0:
-        from mppo.sft_tool import build_tool_examples  # it imports this module
-
         examples = build_tool_examples(dataset, tokenizer, config.max_response_length,
                                        tool_fraction=config.tool_fraction, retry_fraction=config.tool_retry_fraction,
                                        max_rows=config.max_rows, solution_noise=config.solution_noise,

@@ -28,7 +28,7 @@ from typing import Any
 from mppo.data import RLDataset
 from mppo.rollout.agent_loop import tool_turn_ids
 from mppo.rollout.tools import calculator
-from mppo.sft import SFTError, SFTExample, format_response, noisy_solution
+from mppo.sft_examples import SFTError, SFTExample, format_response, noisy_solution
 
 __all__ = ["tool_call_text", "tool_demonstration", "build_tool_examples"]
 
