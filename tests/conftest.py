@@ -5,6 +5,3 @@ if not os.environ.get("MPPO_TEST_ON_GPU"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Tests run on 2 CPU cores shared by several processes: one intra-op thread each keeps them from thrashing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-# The suite's one SGLang launch, shared by the SGLang test files (session-scoped; started only if one is collected).
-from sglang_launch import sglang_launch  # noqa: E402,F401

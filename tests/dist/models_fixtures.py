@@ -38,7 +38,7 @@ QWEN3_MODELS = {
                                              norm_topk_prob=False)),
 }
 
-# A Qwen3-MoE of the kind SGLang 0.5.23 serves (tests/dist/sglang_tier.py): every layer MoE, untied head (its
+# A Qwen3-MoE of the kind SGLang 0.5.23 serves (docs/MOE.md): every layer MoE, untied head (its
 # Qwen3MoeForCausalLM ignores mlp_only_layers and tie_word_embeddings); unnormalised top-k weights.
 SGLANG_QWEN3_MOE = {"qwen3_moe_sglang": ("qwen3_moe", dict(vocab_size=1001, num_hidden_layers=2,
                                                            tie_word_embeddings=False, moe_intermediate_size=48,

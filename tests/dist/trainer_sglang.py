@@ -1,9 +1,5 @@
 """The trainer on a REAL sglang.Engine (SGLang's CPU tier), under torchrun with 2 ranks (tests/test_trainer_sglang.py).
 
-This is the suite's one SGLang launch (tests/sglang_launch.py). With --tier-dir, each rank first runs rollout-tier
-engine checks (tests/dist/sglang_tier.py, asserted by tests/test_rollout_sglang_cpu.py): rank 0 a tiny Qwen2 and a
-start that must fail, rank 1 Qwen3 and Qwen3-MoE, in parallel.
-
 Engine start-up is the slow part (20-60 s), so one Rollout (two engines of TP 1: one per rank) serves four trainers
 built one after another (PPOTrainer's `rollout` argument): PPO (GAE + critic) and GRPO at trainer TP2, then at
 trainer DP2. Each runs `fit()` for 3 steps. Checked along the way, and written to out/rank{R}.json:
@@ -15,10 +11,6 @@ trainer DP2. Each runs `fit()` for 3 steps. Checked along the way, and written t
 - the SGLang calls and trainer-state offload calls of every phase, in order (the memory choreography);
 - trainer-state offload + reload on the CPU (forced on: the trainer skips it there): storage freed, then every
   parameter and optimizer tensor bitwise back.
-A case on a different model (the Qwen3-MoE case: GRPO at EP2 with routing replay, R3) gets its own Rollout (the
-previous one is shut down first); after its fit(): the trained weights, exported by the shared exporter (experts
-included) and loaded into HF transformers, give the log-probs the engine returns after a sync, and HF's routers
-choose the experts the engine reports for the same tokens (`moe_check`).
 """
 from __future__ import annotations
 
@@ -98,11 +90,8 @@ def spy(trainer, events: list) -> dict:
         wrap(trainer.trainer_state, name, lambda name, *_: events.append(f"trainer_state.{name}"))
     diffs: list[float] = []
 
-    routes_in_batch: list[bool] = []
-
     def record_update(name, args, kwargs):
         batch = args[0]
-        routes_in_batch.append("routed_experts" in batch)
         mask = batch["response_mask"].bool()
         diff = (batch["old_log_probs"].exp() - batch["rollout_log_probs"].exp()).abs()[mask]
         diffs.append(float(diff.max()))
@@ -112,7 +101,7 @@ def spy(trainer, events: list) -> dict:
     wrap(trainer.actor, "compute_log_prob", lambda *_: events.append("actor.compute_log_prob"))
     if trainer.critic is not None:
         wrap(trainer.critic, "update", lambda *_: events.append("critic.update"))
-    return {"rollout_probs_diff_max": diffs, "routes_in_batch": routes_in_batch}
+    return {"rollout_probs_diff_max": diffs}
 
 
 def wrap(obj, name: str, before) -> None:
@@ -145,56 +134,6 @@ def offload_round_trip(trainer) -> dict:
             "grads_zero": all(bool((g == 0).all()) for g in grads) and len(grads) > 0}
 
 
-def moe_check(trainer, out_dir: Path) -> dict:
-    """Sync the trained weights, generate, and compare with HF transformers loading what the exporter streams."""
-    from transformers import AutoModelForCausalLM
-
-    import safetensors.torch
-    from hf_reference import hf_router_top_k, hf_token_log_probs, route_disagreements
-
-    from mppo.models.weights import iter_hf_weights
-    from mppo.rollout import SamplingParams
-
-    eos = tuple(trainer.train_sampling.stop_token_ids)
-    prompts = prompt_ids(trainer)
-    trainer.sync_weights()
-    responses = trainer.rollout.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=12,
-                                                                 stop_token_ids=eos), step=0)
-    responses += trainer.rollout.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=12,
-                                                                  stop_token_ids=eos, seed=3), step=0)
-    trainer.rollout.release()
-    exported = {name: t.detach().clone().contiguous() for name, t in iter_hf_weights(
-        trainer.actor.model, trainer.actor.hf_args, destinations=trainer.rollout.layout.destinations)}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model_path = Path(trainer.cfg.actor_rollout_ref.model.path)
-    (out_dir / "config.json").write_text((model_path / "config.json").read_text())
-    safetensors.torch.save_file(exported, str(out_dir / "model.safetensors"))
-    hf = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    log_prob_error, routes = 0.0, {"rows": 0, "different": 0, "different_not_tie": 0, "shape_equal": True}
-    for r in responses:
-        prompt = prompts[r.prompt_index]
-        ref = hf_token_log_probs(hf, prompt, r.token_ids)
-        log_prob_error = max(log_prob_error, (ref - torch.tensor(r.log_probs)).abs().max().item())
-        one = route_disagreements(r.routed_experts, *hf_router_top_k(hf, prompt, r.token_ids))
-        routes = {k: (routes[k] and one[k]) if k == "shape_equal" else routes[k] + one[k] for k in routes}
-    expert_tensors = sum(".mlp.experts." in name for name in exported)
-    return {"log_prob_error": log_prob_error, "routes": routes, "responses": len(responses),
-            "exported_expert_tensors": expert_tensors}
-
-
-def run_tier(tier_dir: Path, rank: int, world: int, result: dict) -> None:
-    """The rollout tier's checks, split over the ranks (each engine is a single-process one: no collective)."""
-    from sglang_tier import qwen2_tier, qwen3_tier
-
-    torch.set_num_threads(1)
-    tier: dict = {}
-    if rank == 0:
-        tier.update(qwen2_tier(tier_dir / "qwen2"))
-    if rank == min(1, world - 1):
-        tier.update({name: qwen3_tier(name, tier_dir / name) for name in ("qwen3_tied", "qwen3_moe_sglang")})
-    result["tier"] = tier
-
-
 def run(args, result: dict) -> None:
     logging.basicConfig(level=logging.WARNING)
     from mppo.parallel import destroy, init_distributed
@@ -202,22 +141,14 @@ def run(args, result: dict) -> None:
     from mppo.rollout.factory import build_rollout
     from mppo.trainer.fit import PPOTrainer
 
-    if args.tier_dir is not None:
-        run_tier(args.tier_dir, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), result)
     cases = json.loads(args.cases)
-    rollout, served = None, None  # the engines of the current model
+    first = load(args.config, next(iter(cases.values())))
+    init_distributed(1, 1)
+    rollout = build_rollout(first, device=torch.device("cpu"), dtype=torch.float32, log_dir=args.out / "sglang")
+    destroy()
+    result.update({"engines": len(rollout.layout.groups), "group": list(rollout.layout.ranks)})
     for name, overrides in cases.items():
         cfg = load(args.config, overrides)
-        if cfg.actor_rollout_ref.model.path != served:
-            if rollout is not None:
-                rollout.shutdown()
-            init_distributed(1, 1)
-            rollout = build_rollout(cfg, device=torch.device("cpu"), dtype=torch.float32,
-                                    log_dir=args.out / f"sglang_{name}")
-            destroy()
-            served = cfg.actor_rollout_ref.model.path
-            result.setdefault("engines", len(rollout.layout.groups))
-            result.setdefault("group", list(rollout.layout.ranks))
         trainer = PPOTrainer(cfg, rollout=rollout)
         eos = tuple(trainer.train_sampling.stop_token_ids)
         case: dict = {"layout": {"tp": trainer.dims.tp, "dp": trainer.dims.dp}}
@@ -233,12 +164,6 @@ def run(args, result: dict) -> None:
         case.update(spy(trainer, events))
         trainer.fit()
         case["events"] = list(events)
-        if cfg.actor_rollout_ref.actor.router_replay.mode == "R3":
-            case["ep"] = trainer.dims.ep
-            case["moe"] = moe_check(trainer, args.out / f"{name}_export_rank{os.environ['RANK']}")
-            result[name] = case
-            close(trainer)
-            continue
         case["weights"] = weights_vs_exporter(trainer)
         if trainer.trainer_state.roles:
             case["offload"] = offload_round_trip(trainer)
@@ -251,7 +176,6 @@ def main() -> None:
     def arguments(p):
         p.add_argument("--config", required=True)
         p.add_argument("--cases", required=True, help="JSON {name: overrides} of the trainers, run in this order")
-        p.add_argument("--tier-dir", type=Path, default=None, help="run the rollout tier's checks first, here")
 
     rank_main(run, add_arguments=arguments, process_group=False)
 
