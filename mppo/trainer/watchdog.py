@@ -102,8 +102,10 @@ class StallWatchdog:
     def _report_and_exit(self) -> None:
         phase, step = self._open[-1]
         path = " > ".join(name for name, _ in self._open)
-        message = (f"mppo: stall [rank {self.rank}]: no progress for {self.timeout_s:g} s in phase '{phase}' of step "
-                   f"{step} (open phases: {path}); trainer.collective_timeout_s={self.timeout_s:g}. A peer rank "
+        # The leading newline: a peer's faulthandler dump writes its lines in pieces to the same stream, so
+        # without it this line could start mid-way through one of them (one write of < PIPE_BUF is atomic).
+        message = (f"\nmppo: stall [rank {self.rank}]: no progress for {self.timeout_s:g} s in phase '{phase}' of "
+                   f"step {step} (open phases: {path}); trainer.collective_timeout_s={self.timeout_s:g}. A peer rank "
                    f"probably died or hangs (see its log). Exiting with code {STALL_EXIT_CODE}; this rank's "
                    "stacks follow.\n")
         os.write(2, message.encode())  # not logging: the stuck main thread may hold a handler's lock
