@@ -234,6 +234,9 @@ def test_server_args():
     assert args["mem_fraction_static"] == 0.6 and args["tp_size"] == 2 and args["base_gpu_id"] == 4
     assert args["load_format"] == "dummy" and args["skip_tokenizer_init"] and args["enable_memory_saver"]
     assert args["enable_deterministic_inference"] and args["attention_backend"] == "torch_native"
+    assert args["sleep_on_idle"]  # its effect on a real engine: tests/test_rollout_sglang_cpu.py
+    assert not engine_server_args("/ckpt", tp_size=1, gpu_memory_utilization=0.6, dtype="bf16", base_gpu_id=0,
+                                  seed=0, extra={"sleep_on_idle": False})["sleep_on_idle"]
     with pytest.raises(ValueError, match="fixed"):
         engine_server_args("/ckpt", tp_size=1, gpu_memory_utilization=0.6, dtype="bf16", base_gpu_id=0, seed=0,
                            extra={"enable_deterministic_inference": False})

@@ -3,7 +3,9 @@
 One torchrun launch (2 ranks, two engines of TP 1) runs four trainers on the same engines: PPO (GAE + critic) and
 GRPO, 3 steps each, at trainer TP2 and at trainer DP2 (tests/dist/trainer_sglang.py). The model is a random tiny
 Llama: SGLang's Llama can return its weights (get_weights_by_name), its Qwen2 cannot, and the bitwise weight check
-needs that.
+needs that. The same launch then serves a random tiny Qwen3-MoE (two new engines, which return their routed experts)
+to GRPO at EP2 with routing replay (R3), 2 steps; SGLang's Qwen3-MoE has no get_weights_by_name either, so what
+reaches its engine is checked through HF transformers loading the exporter's tensors (log-probs and routes).
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ SGLANG = ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.te
           "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=true"]
 OFFLOAD = ["actor_rollout_ref.actor.megatron.param_offload=true",
            "actor_rollout_ref.actor.megatron.optimizer_offload=true"]
+MOE_R3 = ["critic.enable=false", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+          "actor_rollout_ref.actor.router_replay.mode=R3"]
 
 # One generation phase: weights back, the push session, trainer state out, KV cache back, generate, all released
 # (once flush_cache says the scheduler is idle), trainer state back (mppo.rollout.factory's docstring).
@@ -43,12 +47,44 @@ def launch(tmp_path_factory) -> list[dict]:
         "dp2_grpo": tiny_overrides(assets, runs / "dp2_grpo", world=2, steps=3, estimator="grpo", n=4)
         + common + ["critic.enable=false"],
     }
+    moe = make_assets(root / "moe_assets", arch="qwen3_moe")
+    cases["ep2_grpo_r3"] = (tiny_overrides(moe, runs / "ep2_grpo_r3", world=2, steps=2, estimator="grpo", n=4)
+                            + dense_reward(moe) + SGLANG + MOE_R3)
     ranks = run_torchrun(REPO / "tests" / "dist" / "trainer_sglang.py", 2, root / "out",
                          ["--config", str(REPO / "configs" / "demo_cpu.yaml"), "--cases", json.dumps(cases)],
-                         timeout=1500)
+                         timeout=2400)
     for name in cases:
         ranks[0][name]["metrics"] = step_metrics(runs / name)
     return ranks
+
+
+def test_qwen3_moe_with_routing_replay_trains_on_sglangs_routes(launch):
+    """GRPO at EP2 with R3 on SGLang: every update's batch carries the engine's routes and the engine's and the
+    actor's token probabilities agree (< 1e-3, fp32; veRL's rollout_probs_diff_max as the trainer logs it). The
+    case runs after the Llama engines were shut down, and its run ends with a checkpoint save."""
+    for r in launch:
+        case = r["ep2_grpo_r3"]
+        assert case["ep"] == 2 and case["layout"] == {"tp": 1, "dp": 2}, case["layout"]
+        assert len(case["rollout_probs_diff_max"]) == 2 and max(case["rollout_probs_diff_max"]) < 1e-3, case
+        assert case["routes_in_batch"] == [True, True], case
+    metrics = launch[0]["ep2_grpo_r3"]["metrics"]
+    assert sorted(metrics) == [0, 1, 2]
+    for step in (1, 2):
+        assert metrics[step]["training/rollout_probs_diff_max"] < 1e-3, metrics[step]
+        assert metrics[step]["actor/grad_norm"] > 0
+
+
+def test_qwen3_moe_sync_reaches_the_engine_and_its_routes_equal_hfs(launch):
+    """After 2 trained steps, a sync from the EP2 actor (the shared exporter, experts included): the engine's
+    log-probs equal HF transformers' with the exported weights, and the experts the engine reports for each token
+    are HF's router top-k on the same tokens (ties aside)."""
+    for r in launch:
+        moe = r["ep2_grpo_r3"]["moe"]
+        print(f"Qwen3-MoE on SGLang after sync: log-prob error {moe['log_prob_error']:.2e}, routes {moe['routes']}")
+        assert moe["exported_expert_tensors"] == 2 * 4 * 3, moe  # 2 layers x 4 experts x gate/up/down
+        assert moe["responses"] == 8 * 3 and moe["log_prob_error"] < 1e-5, moe
+        assert moe["routes"]["shape_equal"] and moe["routes"]["rows"] > 0, moe
+        assert moe["routes"]["different_not_tie"] == 0, moe
 
 
 CASES = ("tp2_ppo", "tp2_grpo", "dp2_ppo", "dp2_grpo")

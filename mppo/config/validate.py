@@ -409,15 +409,13 @@ def check_expert_parallel(cfg: MppoConfig) -> None:
 
 
 def check_router_replay(cfg: MppoConfig) -> None:
-    """Routing replay (R3) needs a MoE model and a rollout whose every routed token the engine ran itself."""
+    """Routing replay (R3) needs a MoE model and a rollout whose every routed token the engine ran itself (both
+    engines, CPU and SGLang, record their routes: docs/MOE.md)."""
     key = f"{ACTOR}.router_replay.mode"
     mode, rollout = get_key(cfg, key), cfg.actor_rollout_ref.rollout
     if mode == "disabled":
         return
     unsupported = [
-        (rollout.name != "cpu", f"rollout.name={rollout.name}: SGLang's routes are decoded "
-                                "(mppo.rollout.sglang_protocol.RouteLayout) but no trainer step with them has been "
-                                "tested yet (docs/MOE.md); use rollout.name=cpu"),
         (rollout.multi_turn.enable, "rollout.multi_turn.enable=true: tool-response tokens have no engine routes"),
         (cfg.algorithm.filter_groups.enable, "algorithm.filter_groups.enable=true: dynamic sampling's batch "
                                              "concatenation does not carry routes"),

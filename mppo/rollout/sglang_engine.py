@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 import torch
 
 from mppo.rollout.base import NamedTensor, RolloutEngine, RolloutResponse, SamplingParams
-from mppo.rollout.sglang_startup import start_engine
+from mppo.rollout.sglang_startup import start_engine, stop_engine
 from mppo.rollout.sglang_protocol import (
     RELEASE_TAGS,
     RESUME_KV_TAGS,
@@ -133,10 +133,11 @@ class SGLangRolloutEngine(RolloutEngine):
             max_total_tokens=max_total_tokens,
             return_routed_experts=return_routed_experts,
         )
-        # The sglang.Engine on the driver; None on the other ranks of the group.
-        self._engine: Any = self._on_driver(
+        # The sglang.Engine on the driver (and the processes it started); None on the other ranks of the group.
+        self._started = self._on_driver(
             lambda: start_engine(self._api.engine_cls, kwargs, log_path=log_path, what=name, on_cpu=on_cpu),
             share_result=False)
+        self._engine: Any = self._started.engine if self._started is not None else None
 
     @property
     def is_driver(self) -> bool:
@@ -157,8 +158,8 @@ class SGLangRolloutEngine(RolloutEngine):
         return self._on_driver(read)
 
     def shutdown(self) -> None:
-        """Stop the SGLang engine's processes (collective)."""
-        self._on_driver(lambda: self._engine.shutdown(), share_result=False)
+        """Stop the SGLang engine's processes, and only those (collective)."""
+        self._on_driver(lambda: stop_engine(self._started), share_result=False)
 
     # ---- generation -------------------------------------------------------------------------------------------
     def _generate(

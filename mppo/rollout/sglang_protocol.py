@@ -164,6 +164,9 @@ def engine_server_args(
         "base_gpu_id": base_gpu_id,
         "random_seed": seed,
         "log_level": "error",
+        # A co-located engine idles through every training phase; without this its scheduler busy-polls a core
+        # (which the trainer needs). It sleeps in a zmq poll that a new request ends at once.
+        "sleep_on_idle": True,
         **fixed,
     }
     args.update(extra)

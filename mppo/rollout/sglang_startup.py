@@ -18,12 +18,18 @@ A failed start leaves SGLang's ZeroMQ context behind, with sockets to processes 
 collector finalizes it (at the next collection, or at exit), zmq_ctx_term waits forever for their messages to be
 delivered. The contexts created by a failed start are destroyed at once, with linger 0.
 
+Stopping: SGLang's Engine.shutdown ends by SIGKILLing every child process of the caller (kill_process_tree of
+os.getpid()), not only the engine's: in a trainer rank that includes megatron's dist-checkpoint Manager (the next
+save fails with BrokenPipeError), data-loader workers and tool processes. `stop_engine` narrows that kill to the
+processes the engine started (`StartedEngine.processes`, recorded at start) and their descendants.
+
 SGLang also picks its ports with Python's `random`, which mppo seeds alike on every rank: engines starting at once
 on one host would pick the same port (EADDRINUSE). The start runs on a fresh `random` state (from os.urandom),
 and the trainer's state is restored afterwards, so starting an engine does not move the trainer's random stream.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import os
@@ -32,6 +38,7 @@ import re
 import signal
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +56,23 @@ class EngineStartError(UserError, RuntimeError):
     """An sglang.Engine did not start (its message says why, where SGLang's log is, and what to check)."""
 
 
+@dataclass
+class StartedEngine:
+    """An sglang.Engine and the processes it started (this process's children that were not there before)."""
+
+    engine: Any
+    processes: list = field(default_factory=list)  # psutil.Process
+
+
 class _ChildFailed(BaseException):
     """Raised by the SIGQUIT handler while the engine starts (BaseException: SGLang's own `except Exception` must
     not swallow it)."""
 
 
 def start_engine(engine_cls: Callable[..., Any], server_args: dict[str, Any], *, log_path: Path | None,
-                 what: str, on_cpu: bool) -> Any:
+                 what: str, on_cpu: bool) -> StartedEngine:
     """`engine_cls(**server_args)` with the failure handling of the module docstring; `what` names the engine in
-    errors (e.g. "rollout group 1 (ranks 2-3)")."""
+    errors (e.g. "rollout group 1 (ranks 2-3)"). Stop it with `stop_engine`."""
     import psutil
 
     global _child_failed_raised
@@ -75,7 +90,7 @@ def start_engine(engine_cls: Callable[..., Any], server_args: dict[str, Any], *,
         try:
             engine = engine_cls(**args)
             signal.signal(signal.SIGQUIT, _after_start(what, log_path))
-            return engine
+            return StartedEngine(engine, [p for p in psutil.Process().children() if p.pid not in before])
         except _ChildFailed:
             error = "its scheduler process failed"
         except Exception as exc:  # noqa: BLE001 - every start-up failure becomes the one error below
@@ -97,6 +112,43 @@ def start_engine(engine_cls: Callable[..., Any], server_args: dict[str, Any], *,
     raise EngineStartError(f"the SGLang engine of {what} did not start: {error}{where}. Check "
                            "actor_rollout_ref.rollout.gpu_memory_utilization and tensor_model_parallel_size, and "
                            "that the model at actor_rollout_ref.model.path is one SGLang supports")
+
+
+def stop_engine(started: StartedEngine) -> None:
+    """`engine.shutdown()`, with SGLang's kill of all this process's children narrowed to the engine's own
+    processes (the module docstring says why)."""
+    engine = started.engine
+    module = sys.modules.get(type(engine).__module__)
+    blanket_kill = getattr(module, "kill_process_tree", None)
+    if blanket_kill is None:  # not SGLang's Engine class (a test double): nothing to narrow
+        engine.shutdown()
+        return
+
+    def kill_engine_processes(parent_pid, include_parent=True, skip_pid=None, wait_timeout=60):
+        if parent_pid not in (None, os.getpid()) or include_parent:  # SGLang's other uses: a tree of its own
+            return blanket_kill(parent_pid, include_parent=include_parent, skip_pid=skip_pid,
+                                wait_timeout=wait_timeout)
+        _kill_trees(started.processes, timeout=wait_timeout or 0)
+
+    module.kill_process_tree = kill_engine_processes
+    try:
+        engine.shutdown()
+    finally:
+        module.kill_process_tree = blanket_kill
+    atexit.unregister(engine.shutdown)  # SGLang registers it for exit, where it would kill every child again
+
+
+def _kill_trees(processes: list, timeout: float) -> None:
+    import psutil
+
+    doomed = []
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            doomed += [*process.children(recursive=True), process]
+    for process in doomed:
+        with contextlib.suppress(psutil.Error):
+            process.send_signal(signal.SIGKILL)
+    psutil.wait_procs(doomed, timeout=timeout)  # reap them (no zombies)
 
 
 _child_failed_raised = False  # module level, like the handler that reads it
@@ -166,11 +218,8 @@ def _kill_new_children(before: set[int]) -> None:
     """Stop the processes SGLang started before it failed (they would outlive the trainer otherwise)."""
     import psutil
 
-    started = [child for child in psutil.Process().children(recursive=True) if child.pid not in before]
-    for child in started:
-        with contextlib.suppress(psutil.Error):
-            child.send_signal(signal.SIGKILL)
-    psutil.wait_procs(started, timeout=10)  # reap them (no zombies)
+    _kill_trees([child for child in psutil.Process().children(recursive=True) if child.pid not in before],
+                timeout=10)
 
 
 def _zmq_contexts() -> list:

@@ -11,6 +11,11 @@ trainer DP2. Each runs `fit()` for 3 steps. Checked along the way, and written t
 - the SGLang calls and trainer-state offload calls of every phase, in order (the memory choreography);
 - trainer-state offload + reload on the CPU (forced on: the trainer skips it there): storage freed, then every
   parameter and optimizer tensor bitwise back.
+A case on a different model (the Qwen3-MoE case: GRPO at EP2 with routing replay, R3) gets its own Rollout (the
+previous one is shut down first: a checkpoint save after that shutdown is what found SGLang killing the rank's
+dist-checkpoint Manager, mppo.rollout.sglang_startup.stop_engine); after its fit(): the trained weights, exported by the shared exporter (experts
+included) and loaded into HF transformers, give the log-probs the engine returns after a sync, and HF's routers
+choose the experts the engine reports for the same tokens (`moe_check`).
 """
 from __future__ import annotations
 
@@ -90,8 +95,11 @@ def spy(trainer, events: list) -> dict:
         wrap(trainer.trainer_state, name, lambda name, *_: events.append(f"trainer_state.{name}"))
     diffs: list[float] = []
 
+    routes_in_batch: list[bool] = []
+
     def record_update(name, args, kwargs):
         batch = args[0]
+        routes_in_batch.append("routed_experts" in batch)
         mask = batch["response_mask"].bool()
         diff = (batch["old_log_probs"].exp() - batch["rollout_log_probs"].exp()).abs()[mask]
         diffs.append(float(diff.max()))
@@ -101,7 +109,7 @@ def spy(trainer, events: list) -> dict:
     wrap(trainer.actor, "compute_log_prob", lambda *_: events.append("actor.compute_log_prob"))
     if trainer.critic is not None:
         wrap(trainer.critic, "update", lambda *_: events.append("critic.update"))
-    return {"rollout_probs_diff_max": diffs}
+    return {"rollout_probs_diff_max": diffs, "routes_in_batch": routes_in_batch}
 
 
 def wrap(obj, name: str, before) -> None:
@@ -134,6 +142,43 @@ def offload_round_trip(trainer) -> dict:
             "grads_zero": all(bool((g == 0).all()) for g in grads) and len(grads) > 0}
 
 
+def moe_check(trainer, out_dir: Path) -> dict:
+    """Sync the trained weights, generate, and compare with HF transformers loading what the exporter streams."""
+    from transformers import AutoModelForCausalLM
+
+    import safetensors.torch
+    from hf_reference import hf_router_top_k, hf_token_log_probs, route_disagreements
+
+    from mppo.models.weights import iter_hf_weights
+    from mppo.rollout import SamplingParams
+
+    eos = tuple(trainer.train_sampling.stop_token_ids)
+    prompts = prompt_ids(trainer)
+    trainer.sync_weights()
+    responses = trainer.rollout.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=12,
+                                                                 stop_token_ids=eos), step=0)
+    responses += trainer.rollout.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=12,
+                                                                  stop_token_ids=eos, seed=3), step=0)
+    trainer.rollout.release()
+    exported = {name: t.detach().clone().contiguous() for name, t in iter_hf_weights(
+        trainer.actor.model, trainer.actor.hf_args, destinations=trainer.rollout.layout.destinations)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_path = Path(trainer.cfg.actor_rollout_ref.model.path)
+    (out_dir / "config.json").write_text((model_path / "config.json").read_text())
+    safetensors.torch.save_file(exported, str(out_dir / "model.safetensors"))
+    hf = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    log_prob_error, routes = 0.0, {"rows": 0, "different": 0, "different_not_tie": 0, "shape_equal": True}
+    for r in responses:
+        prompt = prompts[r.prompt_index]
+        ref = hf_token_log_probs(hf, prompt, r.token_ids)
+        log_prob_error = max(log_prob_error, (ref - torch.tensor(r.log_probs)).abs().max().item())
+        one = route_disagreements(r.routed_experts, *hf_router_top_k(hf, prompt, r.token_ids))
+        routes = {k: (routes[k] and one[k]) if k == "shape_equal" else routes[k] + one[k] for k in routes}
+    expert_tensors = sum(".mlp.experts." in name for name in exported)
+    return {"log_prob_error": log_prob_error, "routes": routes, "responses": len(responses),
+            "exported_expert_tensors": expert_tensors}
+
+
 def run(args, result: dict) -> None:
     logging.basicConfig(level=logging.WARNING)
     from mppo.parallel import destroy, init_distributed
@@ -142,13 +187,19 @@ def run(args, result: dict) -> None:
     from mppo.trainer.fit import PPOTrainer
 
     cases = json.loads(args.cases)
-    first = load(args.config, next(iter(cases.values())))
-    init_distributed(1, 1)
-    rollout = build_rollout(first, device=torch.device("cpu"), dtype=torch.float32, log_dir=args.out / "sglang")
-    destroy()
-    result.update({"engines": len(rollout.layout.groups), "group": list(rollout.layout.ranks)})
+    rollout, served = None, None  # the engines of the current model
     for name, overrides in cases.items():
         cfg = load(args.config, overrides)
+        if cfg.actor_rollout_ref.model.path != served:
+            if rollout is not None:
+                rollout.shutdown()
+            init_distributed(1, 1)
+            rollout = build_rollout(cfg, device=torch.device("cpu"), dtype=torch.float32,
+                                    log_dir=args.out / f"sglang_{name}")
+            destroy()
+            served = cfg.actor_rollout_ref.model.path
+            result.setdefault("engines", len(rollout.layout.groups))
+            result.setdefault("group", list(rollout.layout.ranks))
         trainer = PPOTrainer(cfg, rollout=rollout)
         eos = tuple(trainer.train_sampling.stop_token_ids)
         case: dict = {"layout": {"tp": trainer.dims.tp, "dp": trainer.dims.dp}}
@@ -164,6 +215,12 @@ def run(args, result: dict) -> None:
         case.update(spy(trainer, events))
         trainer.fit()
         case["events"] = list(events)
+        if cfg.actor_rollout_ref.actor.router_replay.mode == "R3":
+            case["ep"] = trainer.dims.ep
+            case["moe"] = moe_check(trainer, args.out / f"{name}_export_rank{os.environ['RANK']}")
+            result[name] = case
+            close(trainer)
+            continue
         case["weights"] = weights_vs_exporter(trainer)
         if trainer.trainer_state.roles:
             case["offload"] = offload_round_trip(trainer)
