@@ -118,8 +118,9 @@ def stop_engine(started: StartedEngine) -> None:
     """`engine.shutdown()`, with SGLang's kill of all this process's children narrowed to the engine's own
     processes (the module docstring says why)."""
     engine = started.engine
-    module = sys.modules.get(type(engine).__module__)
-    blanket_kill = getattr(module, "kill_process_tree", None)
+    # the namespace Engine.shutdown looks kill_process_tree up in (sglang.srt.entrypoints.engine)
+    namespace = getattr(type(engine).shutdown, "__globals__", {})
+    blanket_kill = namespace.get("kill_process_tree")
     if blanket_kill is None:  # not SGLang's Engine class (a test double): nothing to narrow
         engine.shutdown()
         return
@@ -130,11 +131,11 @@ def stop_engine(started: StartedEngine) -> None:
                                 wait_timeout=wait_timeout)
         _kill_trees(started.processes, timeout=wait_timeout or 0)
 
-    module.kill_process_tree = kill_engine_processes
+    namespace["kill_process_tree"] = kill_engine_processes
     try:
         engine.shutdown()
     finally:
-        module.kill_process_tree = blanket_kill
+        namespace["kill_process_tree"] = blanket_kill
     atexit.unregister(engine.shutdown)  # SGLang registers it for exit, where it would kill every child again
 
 
