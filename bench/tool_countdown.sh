@@ -11,18 +11,20 @@
 #              them call the calculator (half of those first try a wrong candidate, read its result, call again;
 #              tool turns out of the loss), the rest answer directly, half of those with random operators
 #   4. GRPO    `torchrun --nproc_per_node 2 -m mppo train configs/countdown_tool_smollm2.yaml` from the warm-up
-# Under RUN_DIR (default runs/tool_countdown). Knobs: PYTHON, BENCH_STEPS (default 10), BENCH_SEED, WARMUP_STEPS,
-# WARMUP_TOOL_FRACTION, WARMUP_LR, BENCH_TOOL=0 (the same schedule with the tool disabled: multi_turn off, so a
-# call is plain text); extra arguments are config overrides (key=value).
+# Under RUN_DIR (default runs/tool_countdown); each step's generations go to $GRPO_DIR/rollouts/<step>.jsonl
+# (trainer.rollout_data_dir), from which the summary tells the score of responses with and without a call.
+# Knobs: PYTHON, BENCH_STEPS (default 10), BENCH_SEED, WARMUP_STEPS, WARMUP_TOOL_FRACTION, WARMUP_LR, BENCH_TOOL=0
+# (the same schedule with the tool disabled: multi_turn off, so a call is plain text); extra arguments are config
+# overrides (key=value).
 set -euo pipefail
 
 RUN_DIR="${RUN_DIR:-runs/tool_countdown}"
 PYTHON="${PYTHON:-python}"
 STEPS="${BENCH_STEPS:-10}"
 SEED="${BENCH_SEED:-0}"
-WARMUP_STEPS="${WARMUP_STEPS:-30}"
+WARMUP_STEPS="${WARMUP_STEPS:-24}"
 WARMUP_TOOL_FRACTION="${WARMUP_TOOL_FRACTION:-0.3}"
-WARMUP_LR="${WARMUP_LR:-3e-5}"
+WARMUP_LR="${WARMUP_LR:-5e-5}"
 TOOL_ARGS=()
 if [[ "${BENCH_TOOL:-1}" == 0 ]]; then TOOL_ARGS=(actor_rollout_ref.rollout.multi_turn.enable=false); fi
 mkdir -p "$RUN_DIR"
@@ -54,7 +56,7 @@ fi
 GRPO_DIR="$RUN_DIR/grpo_seed${SEED}_tool${BENCH_TOOL:-1}"
 say "4/4 GRPO from the warm-up (tool ${BENCH_TOOL:-1}): $STEPS steps -> $GRPO_DIR"
 train_two_ranks configs/countdown_tool_smollm2.yaml trainer.total_training_steps="$STEPS" trainer.seed="$SEED" \
-    trainer.default_local_dir="$GRPO_DIR" ${TOOL_ARGS[@]+"${TOOL_ARGS[@]}"} "$@"
+    trainer.default_local_dir="$GRPO_DIR" trainer.rollout_data_dir="$GRPO_DIR/rollouts" ${TOOL_ARGS[@]+"${TOOL_ARGS[@]}"} "$@"
 took GRPO
 
 "$PYTHON" - "$GRPO_DIR" <<'PY'
@@ -73,6 +75,19 @@ print("step  tool_call_rate  calls/response  score  response_length  step_s")
 steps = sorted(s for s in rows if "critic/score/mean" in rows[s])
 for s in steps:
     print(f"{s:4d}  " + "  ".join(f"{rows[s].get(k, float('nan')):.3f}" for k in keys))
+# from the step's generations (trainer.rollout_data_dir): does a call pay? mean score with and without one
+dumps = Path(sys.argv[1]) / "rollouts"
+if dumps.is_dir():
+    print("step  score_with_call (n)  score_without_call (n)")
+    for s in steps:
+        path = dumps / f"{s}.jsonl"
+        if not path.is_file():
+            continue
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        called = [x["score"] for x in lines if "<tool_call>" in x["output"]]
+        direct = [x["score"] for x in lines if "<tool_call>" not in x["output"]]
+        mean = lambda v: sum(v) / len(v) if v else float("nan")
+        print(f"{s:4d}  {mean(called):.3f} ({len(called)})  {mean(direct):.3f} ({len(direct)})")
 half = len(steps) // 2
 if half:
     for k in keys[:3]:

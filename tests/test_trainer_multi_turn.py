@@ -52,12 +52,13 @@ def result(tmp_path_factory):
         "algorithm.use_kl_in_reward=false", "trainer.val_before_train=false", "trainer.test_freq=-1",
         "trainer.save_freq=-1", "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=2",
         f"algorithm.gamma={GAMMA}", f"algorithm.lam={LAM}"]
-    cases = {"grpo": base + ["critic.enable=false"],
+    cases = {"grpo": base + ["critic.enable=false", f"trainer.rollout_data_dir={run}/grpo/rollouts"],
              "gae": [o.replace(f"{run}/grpo", f"{run}/gae") for o in base]
              + ["algorithm.adv_estimator=gae", "critic.enable=true"]}
     out = run_torchrun(REPO / "tests" / "dist" / "trainer_multi_turn.py", 2, run / "out",
                        ["--config", str(REPO / "configs" / "demo_cpu.yaml"), "--cases", json.dumps(cases)])
-    return {**out[0], "group_of_two_ranks": [rank["group_of_two"] for rank in out]}
+    return {**out[0], "group_of_two_ranks": [rank["group_of_two"] for rank in out], "run": run,
+            "tokenizer": str(root / "model")}
 
 
 def test_an_engine_group_of_two_ranks_shares_its_first_ranks_tool_messages(result):
@@ -79,6 +80,22 @@ def test_token_layout_assistant_tokens_in_the_mask_tool_tokens_out(result):
         calls = case["batch"]["num_tool_calls"]
         assert calls == [1 - r["conversation"] % 2 for r in rows], name
         assert case["metrics"]["multi_turn/tool_call_rate"] == 0.5, name
+
+
+def test_rollout_data_dir_has_each_response_with_its_tool_turns_and_score(result):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(result["tokenizer"])
+    case = result["grpo"]
+    lines = [json.loads(line) for line in (result["run"] / "grpo" / "rollouts" / "1.jsonl").read_text().splitlines()]
+    assert len(lines) == len(case["rows"]) == 8
+    for line, row, uid, calls in zip(lines, case["rows"], case["batch"]["uid"], case["batch"]["num_tool_calls"]):
+        assert line["output"] == tok.decode(row["expected_ids"], skip_special_tokens=False)
+        assert line["input"] == tok.decode(tok(row["prompt_text"])["input_ids"], skip_special_tokens=False)
+        assert line["score"] == pytest.approx(dense_score(row["prompt_text"] + row["assistant_text"]), rel=1e-6)
+        assert (line["step"], line["uid"], line["num_tool_calls"]) == (1, uid, calls)
+    assert "calculator" in lines[0]["output"] or "calculator" in lines[1]["output"]  # a tool turn's text is there
+    assert not (result["run"] / "gae" / "rollouts").exists()  # off by default
 
 
 def test_log_probs_and_rollout_metrics_leave_tool_tokens_out(result):

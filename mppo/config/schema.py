@@ -316,6 +316,7 @@ class TrainerConfig:
     max_ckpt_to_keep: Optional[int] = 2  # keep the newest N checkpoints; null: keep all (veRL's default)
     max_consecutive_skips: int = 3  # stop after this many consecutive steps skipped for NaN/inf
     collective_timeout_s: int = 1800  # seconds a collective phase may take before the run aborts with a report
+    rollout_data_dir: Optional[str] = None  # write each step's generations to <dir>/<step>.jsonl; null: off
 
 
 @dataclass

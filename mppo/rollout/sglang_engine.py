@@ -137,7 +137,11 @@ class SGLangRolloutEngine(RolloutEngine):
         self._started = self._on_driver(
             lambda: start_engine(self._api.engine_cls, kwargs, log_path=log_path, what=name, on_cpu=on_cpu),
             share_result=False)
-        self._engine: Any = self._started.engine if self._started is not None else None
+
+    @property
+    def _engine(self) -> Any:
+        """The driver's sglang.Engine (None on the other ranks)."""
+        return self._started.engine if self._started is not None else None
 
     @property
     def is_driver(self) -> bool:

@@ -42,6 +42,7 @@ from mppo.trainer.model_flops import ppo_step_flops
 from mppo.trainer.parallel_io import ModelParallelIO
 from mppo.trainer.resume import open_checkpoints
 from mppo.trainer.rollout_batch import all_gather_rows, build_rollout_batch, local_rows
+from mppo.trainer.rollout_dump import DUMP_INPUTS, dump_generations
 from mppo.trainer.watchdog import StallWatchdog, process_group_timeout_s, tie_checkpoint_helpers_to_rank
 
 log = logging.getLogger("mppo")
@@ -186,6 +187,8 @@ class PPOTrainer:
                 metrics.update(self.kl_penalty(batch))
                 metrics.update(self.compute_advantages(batch))
             data = self.gather_global(batch, _METRIC_INPUTS)  # before fault injection can poison the update's inputs
+            if self.cfg.trainer.rollout_data_dir:
+                self.dump_generations(batch)
             if self.faults:
                 self.faults.poison_update_inputs(batch, self.step + 1)
             if self.critic is not None:
@@ -207,6 +210,15 @@ class PPOTrainer:
             if self.faults:
                 self.faults.at_phase(name, self.step + 1)
             yield
+
+    def dump_generations(self, batch: Batch) -> None:
+        """trainer.rollout_data_dir: the step's generations as JSON lines, written by rank 0 (a collective)."""
+        full = self.gather_global(batch, DUMP_INPUTS)
+        if self.is_main:
+            path = dump_generations(Path(self.cfg.trainer.rollout_data_dir), self.step + 1, full,
+                                    self.data.tokenizer)
+            if self.step == 0:
+                log.info("generations of each step go to %s (trainer.rollout_data_dir)", path.parent)
 
     def sync_weights(self) -> dict[str, float]:
         """Actor weights → every engine, resharded to HF layout and streamed in buckets; then trainer state offload

@@ -13,6 +13,7 @@ import torch
 
 def qwen2_tier(out_dir: Path) -> dict:
     """A random tiny Qwen2 (and a start that must fail): the checks of tests/test_rollout_sglang_cpu.py."""
+    from hf_reference import hf_token_log_probs
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from mppo.rollout import SamplingParams
@@ -42,14 +43,8 @@ def qwen2_tier(out_dir: Path) -> dict:
         engine.update_weights([state[i : i + 4] for i in range(0, len(state), 4)])
 
     def recompute_error(model, responses, temperature):
-        worst = 0.0
-        for r in responses:
-            ids = torch.tensor([prompts[r.prompt_index] + r.token_ids])
-            with torch.no_grad():
-                logits = model(ids).logits[0, len(prompts[r.prompt_index]) - 1 : -1].float()
-            ref = torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(r.token_ids)[:, None])[:, 0]
-            worst = max(worst, (ref - torch.tensor(r.log_probs)).abs().max().item())
-        return worst
+        return max((hf_token_log_probs(model, prompts[r.prompt_index], r.token_ids, temperature)
+                    - torch.tensor(r.log_probs)).abs().max().item() for r in responses)
 
     push(source)
     result["get_weight_of_qwen2"] = engine.get_weight("model.norm.weight")
