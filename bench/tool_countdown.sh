@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Learning benchmark for multi-turn rollouts with a tool (issue 16 item 4): GRPO on countdown where
-# SmolLM2-135M-Instruct may call the calculator (configs/countdown_tool_smollm2.yaml), 2 CPU ranks. Prints the
-# tool-call rate (multi_turn/tool_call_rate: responses with at least one call), the calls per response and the
-# training score (critic/score/mean) per step, first half vs second half.
+# Learning benchmark for multi-turn rollouts with a tool (issue 16 item 4): GRPO on countdown (or, BENCH_TASK=multiply,
+# 2-digit multiplication) where SmolLM2-135M-Instruct may call the calculator (configs/countdown_tool_smollm2.yaml),
+# 2 CPU ranks. Prints the tool-call rate (multi_turn/tool_call_rate: responses with at least one call), the calls per
+# response and the training score (critic/score/mean) per step, first half vs second half.
 #   1. model   `mppo convert gguf-to-hf --model smollm2-135m-instruct` (cached in ~/.cache/mppo)
 #   2. data    `mppo data countdown --template tool` (the hermes calculator call shown in the user text), 3 operands
-#              of 1..10, targets <= 50 (arithmetic a 135M model mostly gets wrong on its own)
+#              of 1..10, targets <= 50 (arithmetic a 135M model mostly gets wrong on its own); with BENCH_TASK=multiply
+#              `mppo data multiply --template tool --digits 2` ("What is 47 * 83?": the calculator computes the answer)
 #   3. warm-up `mppo sft --tool-fraction` (mppo/sft_tool.py): the untuned model never writes a complete call, so a
 #              short SFT on a mix of demonstrations gives it a low but non-zero call rate: WARMUP_TOOL_FRACTION of
 #              them call the calculator (half of those first try a wrong candidate, read its result, call again;
 #              tool turns out of the loss), the rest answer directly, half of those with random operators
+#              (multiply: one call of a * b, its result copied into the answer; the rest answer directly)
 #   4. GRPO    `torchrun --nproc_per_node 2 -m mppo train configs/countdown_tool_smollm2.yaml` from the warm-up
 # Under RUN_DIR (default runs/tool_countdown); each step's generations go to $GRPO_DIR/rollouts/<step>.jsonl
 # (trainer.rollout_data_dir), from which the summary tells the score of responses with and without a call.
@@ -18,7 +20,8 @@
 # overrides (key=value).
 set -euo pipefail
 
-RUN_DIR="${RUN_DIR:-runs/tool_countdown}"
+TASK="${BENCH_TASK:-countdown}"
+RUN_DIR="${RUN_DIR:-runs/tool_$TASK}"
 PYTHON="${PYTHON:-python}"
 STEPS="${BENCH_STEPS:-10}"
 SEED="${BENCH_SEED:-0}"
@@ -39,15 +42,22 @@ if [[ ! -f "$RUN_DIR/model/config.json" ]]; then
     say "1/4 model: mppo convert gguf-to-hf --model smollm2-135m-instruct"
     "$PYTHON" -m mppo convert gguf-to-hf --model smollm2-135m-instruct --out "$RUN_DIR/model"
 fi
+case "$TASK" in
+    countdown) TASK_ARGS=(--num-operands 3 --max-number 10 --max-target 50)
+               WARMUP_ARGS=(--tool-retry-fraction 0.5 --solution-noise 0.5) ;;
+    multiply)  TASK_ARGS=(--digits 2)
+               WARMUP_ARGS=(--tool-retry-fraction 0 --solution-noise 0) ;;  # one call: nothing to retry
+    *) echo "BENCH_TASK is countdown or multiply, not '$TASK'" >&2; exit 2 ;;
+esac
 if [[ ! -f "$RUN_DIR/data/train.parquet" ]]; then
-    say "2/4 data: mppo data countdown --template tool --num-operands 3 --max-number 10 --max-target 50"
-    "$PYTHON" -m mppo data countdown --out "$RUN_DIR/data" --template tool --num-operands 3 --max-number 10 \
-        --max-target 50 --train-size 400 --test-size 32 --seed 0
+    say "2/4 data: mppo data $TASK --template tool ${TASK_ARGS[*]}"
+    "$PYTHON" -m mppo data "$TASK" --out "$RUN_DIR/data" --template tool "${TASK_ARGS[@]}" --train-size 400 \
+        --test-size 32 --seed 0
 fi
 if [[ ! -f "$RUN_DIR/warmup/config.json" ]]; then
     say "3/4 warm-up: mppo sft --tool-fraction $WARMUP_TOOL_FRACTION, $WARMUP_STEPS steps"
     "$PYTHON" -m mppo sft --model "$RUN_DIR/model" --data "$RUN_DIR/data/train.parquet" --out "$RUN_DIR/warmup" \
-        --tool-fraction "$WARMUP_TOOL_FRACTION" --tool-retry-fraction 0.5 --solution-noise 0.5 \
+        --tool-fraction "$WARMUP_TOOL_FRACTION" "${WARMUP_ARGS[@]}" \
         --steps "$WARMUP_STEPS" --batch-size 4 --lr "$WARMUP_LR" --warmup-steps 5 --max-prompt-length 192 \
         --max-response-length 192 --seed 0 --no-progress
     took warm-up

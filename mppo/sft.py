@@ -57,7 +57,7 @@ class SFTConfig:
     max_response_length: int = 64  # a target response (with EOS) longer than this is an error
     max_rows: int | None = None  # use only the first N rows of the data (a partial warm-up); None: all
     solution_noise: float = 0.0  # fraction of demonstrations whose operators are replaced by random ones
-    tool_fraction: float = 0.0  # fraction of countdown rows demonstrated with calculator calls (mppo.sft_tool)
+    tool_fraction: float = 0.0  # fraction of countdown/multiply rows demonstrated with calculator calls (sft_tool)
     tool_retry_fraction: float = 0.0  # fraction of those whose first call is a wrong candidate, then the right one
     clip_grad: float = 1.0  # max global grad norm; 0 disables clipping
     seed: int = 0
@@ -273,8 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
                             help="a fraction P of the demonstrations gets random operators (+ - * /) in place of "
                                  "the solution's: the format is learnt, the choice of operator only partly")
     train_args.add_argument("--tool-fraction", type=float, default=defaults.tool_fraction, metavar="P",
-                            help="countdown only: a fraction P of the demonstrations calls the calculator (hermes "
-                                 "tool call, its real output as a tool turn out of the loss, then the answer)")
+                            help="countdown and multiply: a fraction P of the demonstrations calls the calculator "
+                                 "(hermes tool call, its real output as a tool turn out of the loss, then the answer)")
     train_args.add_argument("--tool-retry-fraction", type=float, default=defaults.tool_retry_fraction, metavar="Q",
                             help="a fraction Q of the tool demonstrations first calls a wrong candidate, reads "
                                  "its result and calls again")

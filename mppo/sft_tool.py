@@ -9,6 +9,9 @@ A tool demonstration for a countdown row with solution S and target T is the con
                                                  assistant header: agent_loop.tool_turn_ids)
     assistant  S = T, so <answer> S </answer><eos>
 
+A multiply row ("What is a * b?", `mppo data multiply --template tool`) is demonstrated with one call of
+`a * b` and the answer copied from its result: the calculator does the arithmetic a small model gets wrong.
+
 With `retry_fraction`, a seeded fraction of the tool demonstrations first calls a wrong candidate (S with random
 operators, mppo.sft.noisy_solution), reads its real result R != T from the calculator, writes "R is not T." and
 calls S: the demonstrations show the tool being used to check an answer, not only to echo it.
@@ -66,11 +69,25 @@ def tool_demonstration(tokenizer: Any, prompt_ids: list[int], calls: list[str], 
     return SFTExample(ids, len(prompt_ids), tuple(mask))
 
 
+def _tool_task(item: Any, row: int) -> tuple[str, str, int]:
+    """(the expression a demonstration's calculator call computes, the answer, the target) of a countdown or
+    multiply row."""
+    extra, truth = item.extra_info, item.ground_truth
+    if item.data_source == "countdown" and isinstance(extra.get("solution"), str) and isinstance(truth, dict):
+        return extra["solution"], extra["solution"], int(truth["target"])
+    if item.data_source == "multiply" and isinstance(extra.get("expression"), str):
+        return extra["expression"], str(truth), int(truth)
+    raise SFTError(f"row {row} ({item.data_source}) is neither a countdown row with extra_info.solution nor a "
+                   "multiply row with extra_info.expression; tool demonstrations are written for `mppo data "
+                   "countdown|multiply --template tool` rows")
+
+
 def build_tool_examples(dataset: RLDataset, tokenizer: Any, max_response_length: int, *, tool_fraction: float,
                         retry_fraction: float = 0.0, max_rows: int | None = None, solution_noise: float = 0.0,
                         seed: int = 0) -> list[SFTExample]:
-    """A seeded `tool_fraction` of the (first `max_rows`) countdown rows as tool demonstrations (`retry_fraction`
-    of those with a wrong first call), the rest as direct answers (`solution_noise` of them noisy)."""
+    """A seeded `tool_fraction` of the (first `max_rows`) countdown or multiply rows as tool demonstrations
+    (`retry_fraction` of those with a wrong first call: countdown only), the rest as direct answers
+    (`solution_noise` of them noisy: countdown only)."""
     if tokenizer.eos_token_id is None:
         raise SFTError("the tokenizer has no EOS token; the demonstrations must end with one")
     for name, value in (("tool_fraction", tool_fraction), ("retry_fraction", retry_fraction)):
@@ -81,21 +98,20 @@ def build_tool_examples(dataset: RLDataset, tokenizer: Any, max_response_length:
     examples = []
     for i in range(count):
         item = dataset[i]
-        solution = item.extra_info.get("solution")
-        truth = item.ground_truth
-        if item.data_source != "countdown" or not isinstance(solution, str) or not isinstance(truth, dict):
-            raise SFTError(f"row {i} ({item.data_source}) is not a countdown row with extra_info.solution; tool "
-                           "demonstrations are written for `mppo data countdown --template tool` rows")
-        target = int(truth["target"])
+        call, answer, target = _tool_task(item, i)
+        if item.data_source == "multiply" and retry_fraction:
+            raise SFTError("--tool-retry-fraction is for countdown rows (a wrong candidate to check); a multiply "
+                           "demonstration makes one call: use --tool-retry-fraction 0")
         if rng.random() < tool_fraction:
-            calls = [solution]
+            calls = [call]
             if rng.random() < retry_fraction:
-                wrong = noisy_solution(solution, rng)
-                if calculator(wrong) != calculator(solution):
+                wrong = noisy_solution(call, rng)
+                if calculator(wrong) != calculator(call):
                     calls.insert(0, wrong)
-            example = tool_demonstration(tokenizer, item.input_ids, calls, solution, target)
+            example = tool_demonstration(tokenizer, item.input_ids, calls, answer, target)
         else:
-            answer = noisy_solution(solution, rng) if solution_noise and rng.random() < solution_noise else solution
+            if solution_noise and rng.random() < solution_noise:
+                answer = noisy_solution(answer, rng)  # an SFTError for a product: it has no operators
             response = list(tokenizer(format_response(item.raw_prompt, answer), add_special_tokens=False)["input_ids"])
             example = SFTExample(item.input_ids + response + [tokenizer.eos_token_id], len(item.input_ids))
         length = len(example.input_ids) - example.prompt_length

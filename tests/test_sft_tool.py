@@ -120,6 +120,29 @@ def test_tool_examples_earn_the_full_reward_with_real_calls(tok, tmp_path):
         build_tool_examples(dataset, tok, 10, tool_fraction=1.0)
 
 
+def test_multiply_tool_examples_call_a_times_b_and_copy_its_product(tok, tmp_path):
+    write_task("multiply", tmp_path, train_size=30, test_size=1, seed=0, template="tool", digits=2)
+    dataset = RLDataset(tmp_path / "train.parquet", tok, max_prompt_length=400)
+    examples = build_tool_examples(dataset, tok, 300, tool_fraction=0.5, seed=0)
+    tool_rows = [i for i, e in enumerate(examples) if e.loss_mask is not None]
+    assert 5 <= len(tool_rows) <= 25
+    for i, example in enumerate(examples):
+        item = dataset[i]
+        text = tok.decode(example.input_ids[:-1], skip_special_tokens=False)
+        assert default_compute_score(item.data_source, text, item.ground_truth) == 1.0, text
+        calls = parse_tool_calls(text[len(item.raw_prompt):])
+        if i in tool_rows:
+            assert [c.name for c in calls] == ["calculator"]
+            a, b = (int(x) for x in calls[0].arguments["expression"].split(" * "))
+            assert a * b == item.ground_truth and f"What is {a} * {b}?" in item.raw_prompt
+        else:
+            assert calls == []
+    with pytest.raises(sft.SFTError, match="tool-retry-fraction"):  # a product has no wrong candidate to check
+        build_tool_examples(dataset, tok, 300, tool_fraction=0.5, retry_fraction=0.5)
+    with pytest.raises(sft.SFTError, match="solution-noise"):
+        build_tool_examples(dataset, tok, 300, tool_fraction=0.5, solution_noise=0.5)
+
+
 def test_cli_tool_warm_up_runs(tok, tmp_path, capsys):
     write_task("countdown", tmp_path / "data", train_size=8, test_size=1, seed=0, template="tool", num_operands=2,
                max_number=9, max_target=20)

@@ -217,8 +217,11 @@ def countdown_rows(problems: list[CountdownProblem], split: str, template: str =
 
 
 def multiply_rows(problems: list[MultiplyProblem], split: str, template: str = "base") -> list[dict[str, Any]]:
-    return [_row("multiply", multiply_prompt(p.a, p.b, template), p.product, split, i, str(p.product), template)
+    rows = [_row("multiply", multiply_prompt(p.a, p.b, template), p.product, split, i, str(p.product), template)
             for i, p in enumerate(problems)]
+    for row, p in zip(rows, problems):  # what a calculator call computes (mppo.sft_tool's demonstrations)
+        row["extra_info"]["expression"] = f"{p.a} * {p.b}"
+    return rows
 
 
 def write_parquet(rows: list[dict[str, Any]], path: str | os.PathLike[str]) -> None:
