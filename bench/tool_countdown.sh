@@ -30,6 +30,13 @@ WARMUP_TOOL_FRACTION="${WARMUP_TOOL_FRACTION:-0.3}"
 WARMUP_LR="${WARMUP_LR:-5e-5}"
 TOOL_ARGS=()
 if [[ "${BENCH_TOOL:-1}" == 0 ]]; then TOOL_ARGS=(actor_rollout_ref.rollout.multi_turn.enable=false); fi
+case "$TASK" in
+    countdown) TASK_ARGS=(--num-operands 3 --max-number 10 --max-target 50)
+               WARMUP_ARGS=(--tool-retry-fraction 0.5 --solution-noise 0.5) ;;
+    multiply)  TASK_ARGS=(--digits 2)
+               WARMUP_ARGS=(--tool-retry-fraction 0 --solution-noise 0) ;;  # one call: nothing to retry
+    *) echo "BENCH_TASK is countdown or multiply, not '$TASK'" >&2; exit 2 ;;
+esac
 mkdir -p "$RUN_DIR"
 RUN_DIR="$(cd "$RUN_DIR" && pwd)"
 export RUN_DIR
@@ -42,13 +49,6 @@ if [[ ! -f "$RUN_DIR/model/config.json" ]]; then
     say "1/4 model: mppo convert gguf-to-hf --model smollm2-135m-instruct"
     "$PYTHON" -m mppo convert gguf-to-hf --model smollm2-135m-instruct --out "$RUN_DIR/model"
 fi
-case "$TASK" in
-    countdown) TASK_ARGS=(--num-operands 3 --max-number 10 --max-target 50)
-               WARMUP_ARGS=(--tool-retry-fraction 0.5 --solution-noise 0.5) ;;
-    multiply)  TASK_ARGS=(--digits 2)
-               WARMUP_ARGS=(--tool-retry-fraction 0 --solution-noise 0) ;;  # one call: nothing to retry
-    *) echo "BENCH_TASK is countdown or multiply, not '$TASK'" >&2; exit 2 ;;
-esac
 if [[ ! -f "$RUN_DIR/data/train.parquet" ]]; then
     say "2/4 data: mppo data $TASK --template tool ${TASK_ARGS[*]}"
     "$PYTHON" -m mppo data "$TASK" --out "$RUN_DIR/data" --template tool "${TASK_ARGS[@]}" --train-size 400 \
@@ -94,8 +94,10 @@ if dumps.is_dir():
         if not path.is_file():
             continue
         lines = [json.loads(line) for line in path.read_text().splitlines()]
-        called = [x["score"] for x in lines if "<tool_call>" in x["output"]]
-        direct = [x["score"] for x in lines if "<tool_call>" not in x["output"]]
+        # the agent loop's count of parsed calls; with the tool off (BENCH_TOOL=0) a call is only text
+        made_call = [x["num_tool_calls"] > 0 if "num_tool_calls" in x else "<tool_call>" in x["output"] for x in lines]
+        called = [x["score"] for x, c in zip(lines, made_call) if c]
+        direct = [x["score"] for x, c in zip(lines, made_call) if not c]
         mean = lambda v: sum(v) / len(v) if v else float("nan")
         print(f"{s:4d}  {mean(called):.3f} ({len(called)})  {mean(direct):.3f} ({len(direct)})")
 half = len(steps) // 2

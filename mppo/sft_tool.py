@@ -102,6 +102,9 @@ def build_tool_examples(dataset: RLDataset, tokenizer: Any, max_response_length:
         if item.data_source == "multiply" and retry_fraction:
             raise SFTError("--tool-retry-fraction is for countdown rows (a wrong candidate to check); a multiply "
                            "demonstration makes one call: use --tool-retry-fraction 0")
+        if item.data_source == "multiply" and solution_noise:
+            raise SFTError("--solution-noise rewrites the operators of an expression, but a multiply row's answer "
+                           "is a product: use --solution-noise 0 for this task")
         if rng.random() < tool_fraction:
             calls = [call]
             if rng.random() < retry_fraction:
@@ -111,7 +114,7 @@ def build_tool_examples(dataset: RLDataset, tokenizer: Any, max_response_length:
             example = tool_demonstration(tokenizer, item.input_ids, calls, answer, target)
         else:
             if solution_noise and rng.random() < solution_noise:
-                answer = noisy_solution(answer, rng)  # an SFTError for a product: it has no operators
+                answer = noisy_solution(answer, rng)
             response = list(tokenizer(format_response(item.raw_prompt, answer), add_special_tokens=False)["input_ids"])
             example = SFTExample(item.input_ids + response + [tokenizer.eos_token_id], len(item.input_ids))
         length = len(example.input_ids) - example.prompt_length

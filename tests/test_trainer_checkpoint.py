@@ -97,3 +97,22 @@ def test_manifest_lists_every_file_with_checksum(tmp_path):
     assert set(manifest["files"]) == {"actor/shard.bin", "critic/shard.bin", "trainer_state.json"}
     assert manifest["files"]["critic/shard.bin"]["size"] == 4
     assert manifest["step"] == 5 and manifest["layout"] == {"tp": 1, "pp": 1, "dp": 1}
+
+
+def test_turning_the_generation_dump_on_does_not_block_a_resume(tmp_path):
+    from dist_util import REPO
+    from mppo.config import load_config
+    from mppo.trainer.resume import resume_config
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
+
+    def facts(*overrides: str) -> dict:
+        return resume_config(load_config(str(REPO / "configs" / "demo_cpu.yaml"),
+                                          [f"actor_rollout_ref.model.path={model}", *overrides], world_size=2))
+
+    assert facts() == facts(f"trainer.rollout_data_dir={tmp_path / 'rollouts'}")
+    assert facts() != facts("actor_rollout_ref.actor.optim.lr=1e-3")  # what changes the run still does

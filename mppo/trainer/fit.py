@@ -188,7 +188,8 @@ class PPOTrainer:
                 metrics.update(self.compute_advantages(batch))
             data = self.gather_global(batch, _METRIC_INPUTS)  # before fault injection can poison the update's inputs
             if self.cfg.trainer.rollout_data_dir:
-                self.dump_generations(batch)
+                with self.phase(timer, "dump_generations"):
+                    self.dump_generations(batch)
             if self.faults:
                 self.faults.poison_update_inputs(batch, self.step + 1)
             if self.critic is not None:
@@ -214,11 +215,17 @@ class PPOTrainer:
     def dump_generations(self, batch: Batch) -> None:
         """trainer.rollout_data_dir: the step's generations as JSON lines, written by rank 0 (a collective)."""
         full = self.gather_global(batch, DUMP_INPUTS)
-        if self.is_main:
-            path = dump_generations(Path(self.cfg.trainer.rollout_data_dir), self.step + 1, full,
-                                    self.data.tokenizer)
-            if self.step == 0:
-                log.info("generations of each step go to %s (trainer.rollout_data_dir)", path.parent)
+        if not self.is_main:
+            return
+        out_dir = Path(self.cfg.trainer.rollout_data_dir)
+        try:
+            dump_generations(out_dir, self.step + 1, full, self.data.tokenizer)
+        except OSError as e:  # a full disk or a bad path costs the dump, not the run (the other ranks wait on us)
+            log.warning("step %d: could not write generations to %s (trainer.rollout_data_dir): %s", self.step + 1,
+                        out_dir, e)
+            return
+        if self.step == 0:
+            log.info("generations of each step go to %s (trainer.rollout_data_dir)", out_dir)
 
     def sync_weights(self) -> dict[str, float]:
         """Actor weights → every engine, resharded to HF layout and streamed in buckets; then trainer state offload
