@@ -102,7 +102,7 @@ if dumps.is_dir():
         print(f"{s:4d}  {mean(called):.3f} ({len(called)})  {mean(direct):.3f} ({len(direct)})")
 half = len(steps) // 2
 if half:
-    for k in keys[:3]:
+    for k in (k for k in keys[:3] if all(k in rows[s] for s in steps)):  # no tool metrics with the tool off
         first = sum(rows[s][k] for s in steps[:half]) / half
         second = sum(rows[s][k] for s in steps[half:]) / (len(steps) - half)
         print(f"{k}: first {half} steps {first:.3f} -> last {len(steps) - half} steps {second:.3f}")
