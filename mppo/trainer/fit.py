@@ -189,7 +189,7 @@ class PPOTrainer:
             data = self.gather_global(batch, _METRIC_INPUTS)  # before fault injection can poison the update's inputs
             if self.cfg.trainer.rollout_data_dir:
                 with self.phase(timer, "dump_generations"):
-                    self.dump_generations(batch)
+                    self.dump_generations(batch, data)
             if self.faults:
                 self.faults.poison_update_inputs(batch, self.step + 1)
             if self.critic is not None:
@@ -212,9 +212,10 @@ class PPOTrainer:
                 self.faults.at_phase(name, self.step + 1)
             yield
 
-    def dump_generations(self, batch: Batch) -> None:
-        """trainer.rollout_data_dir: the step's generations as JSON lines, written by rank 0 (a collective)."""
-        full = self.gather_global(batch, DUMP_INPUTS)
+    def dump_generations(self, batch: Batch, data: Batch) -> None:
+        """trainer.rollout_data_dir: the step's generations as JSON lines, written by rank 0 (a collective).
+        `data`: what the step's metrics already gathered; only the rest of DUMP_INPUTS is gathered here."""
+        full = {**data, **self.gather_global(batch, tuple(k for k in DUMP_INPUTS if k not in data))}
         if not self.is_main:
             return
         out_dir = Path(self.cfg.trainer.rollout_data_dir)

@@ -2,9 +2,10 @@
 one line per response, to read what the policy wrote (a tool call, a reasoning trace, a reward hack).
 
 A line is veRL's `input`, `output`, `score` and `step`, plus `uid` (the group id: the responses of one prompt share
-it; the prompt's dataset index, shifted by a multiple of the dataset size for dynamic sampling's extra batches) and, for multi-turn rollouts, `num_tool_calls`. `output` is the whole response as the model saw
-it, tool turns included, special tokens kept (they mark the turns); padding is left out. The rows are the update's
-batch: after dynamic sampling's filtering, in global row order.
+it; the prompt's dataset index, shifted by a multiple of the dataset size for dynamic sampling's extra batches)
+and, for multi-turn rollouts, `num_tool_calls`. `output` is the whole response as the model saw it, tool turns
+included, special tokens kept (they mark the turns); padding is left out. The rows are the update's batch: after
+dynamic sampling's filtering, in global row order.
 """
 from __future__ import annotations
 
