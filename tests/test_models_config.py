@@ -2,6 +2,8 @@
 micro-batches, layout validation. Expected values are written out by hand from the HF/megatron conventions."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -132,6 +134,26 @@ def test_transformer_engine_requested_without_it():
     assert resolve_transformer_impl("local") == "local"
     with pytest.raises(ValueError, match="'auto', 'te', 'sdpa', 'local'"):
         resolve_transformer_impl("apex")
+
+
+def test_auto_says_once_why_a_cuda_machine_gets_sdpa(monkeypatch, caplog):
+    """On CUDA, `auto` without an importable Transformer Engine builds SDPA layers and logs the import error once
+    (the warning is per process: actor, critic and reference each resolve the setting). Transformer Engine is not
+    installed here, so its import fails for real; only CUDA's presence is pretended."""
+    import logging
+
+    from mppo.models import spec
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)  # a machine where it does not import
+    spec._say_auto_fell_back.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="mppo"):
+        assert [spec.resolve_transformer_impl("auto") for _ in range(3)] == ["sdpa"] * 3
+    said = [r.getMessage() for r in caplog.records if "transformer_impl=auto" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "Transformer Engine does not import" in said[0] and "No module named" in said[0]
+    assert "transformer_impl=sdpa" in said[0] and "mppo[gpu]" in said[0]
+    spec._say_auto_fell_back.cache_clear()
 
 
 def test_check_layout():

@@ -17,11 +17,15 @@ layers differ (MoE layers beside dense ones, as in Qwen3-MoE's `mlp_only_layers`
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 from typing import Any, Callable, Literal, Sequence
 
 import torch
 
 from mppo.errors import UserError
+
+log = logging.getLogger("mppo")
 
 TransformerImpl = Literal["auto", "te", "sdpa", "local"]
 TRANSFORMER_IMPLS = ("auto", "te", "sdpa", "local")
@@ -31,12 +35,25 @@ class MissingGpuPackageError(UserError, ImportError):
     """A GPU-only package was asked for but is not importable here."""
 
 
-def _transformer_engine_imports() -> bool:
+def _transformer_engine_import_error() -> str | None:
+    """Why `transformer_engine.pytorch` does not import here ("ImportError: ..."), or None when it does."""
     try:
         import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # ImportError, or OSError for missing CUDA/cuDNN libraries
-        return False
-    return True
+    except Exception as err:  # ImportError, or OSError for missing CUDA/cuDNN libraries
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _transformer_engine_imports() -> bool:
+    return _transformer_engine_import_error() is None
+
+
+@functools.cache
+def _say_auto_fell_back(why: str) -> None:
+    """Once per process (every model build resolves the setting): the CUDA run did not get TE, and why."""
+    log.warning("transformer_impl=auto: Transformer Engine does not import on this CUDA machine (%s), so the models "
+                "use megatron-core's local layers with SDPA attention (slower). Install it with pip install mppo[gpu], "
+                "or set actor_rollout_ref.model.transformer_impl=sdpa to choose SDPA and silence this", why)
 
 
 def transformer_engine_available() -> bool:
@@ -49,7 +66,13 @@ def resolve_transformer_impl(transformer_impl: TransformerImpl) -> Literal["te",
     if transformer_impl in ("sdpa", "local"):
         return transformer_impl
     if transformer_impl == "auto":
-        return "te" if transformer_engine_available() else "sdpa"
+        if not torch.cuda.is_available():
+            return "sdpa"  # TE has no CPU path: SDPA is the expected choice there, not news
+        why = _transformer_engine_import_error()
+        if why is None:
+            return "te"
+        _say_auto_fell_back(why)
+        return "sdpa"
     if transformer_impl == "te":
         if not _transformer_engine_imports():
             raise MissingGpuPackageError(
