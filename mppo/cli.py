@@ -29,6 +29,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "sft": ("mppo.sft", "supervised fine-tuning (warm-up) of a model"),
 }
 USER_ERROR = 2  # exit code of a user mistake (same as argparse's)
+RANK0_GRACE_S = 30  # how long another rank waits for rank 0 to print a config error both found
 
 
 def _is_rank0() -> bool:
@@ -42,8 +43,10 @@ def _error(message: str, every_rank: bool = False) -> int:
     elif _is_rank0():
         print(f"mppo: error: {message}", file=sys.stderr)
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # torchrun kills the remaining ranks as soon as one exits: give rank 0 time to say what is wrong.
-        time.sleep(3)
+        # torchrun kills the remaining ranks as soon as one exits, so a rank that stopped first would cut rank 0
+        # off before it says what is wrong. Rank 0 makes the same check and fails with the same error: wait for it
+        # (torchrun ends this rank when rank 0 exits), long enough for a loaded machine, bounded in case it doesn't.
+        time.sleep(RANK0_GRACE_S)
     return USER_ERROR
 
 
