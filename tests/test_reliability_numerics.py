@@ -1,4 +1,5 @@
-"""Numerical faults and a misbehaving reward, in one real 1-rank run; then checkpoints of other runs refused.
+"""Numerical faults and a misbehaving reward, in one real 1-rank run; then checkpoints of other runs refused; and a
+reward function that always raises, in a second short run.
 
 The run (`torchrun --nproc_per_node=1 -m mppo train ...`, 4 steps, max_consecutive_skips=2):
   - MPPO_FAULT=nan_loss at steps 1, 3 and 4: the actor's and critic's losses are NaN in those steps;
@@ -125,3 +126,32 @@ def test_checkpoint_of_another_config_and_model_is_refused_naming_the_difference
     assert "critic.model.config_json.intermediate_size: 64 (checkpoint) vs 96 (now)" in message
     assert "trainer.default_local_dir" in message  # the way out: a new run directory
     assert sorted(p.name for p in run_dir.rglob("*")) == before  # nothing written
+
+
+ALWAYS_RAISING_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    raise KeyError("no field 'answer' in this reward on purpose")
+'''
+
+
+def test_a_reward_function_that_always_raises_stops_the_run_naming_it(tmp_path_factory, tmp_path):
+    """Without reward.max_failed_steps the run trained on zero rewards to the end (exit 0); now it stops after
+    2 steps in which every response failed to score, with one line naming the function and its last error, and
+    the last good checkpoint (step 1) kept."""
+    (tmp_path / "broken_reward.py").write_text(ALWAYS_RAISING_REWARD)
+    run_dir = tmp_path / "run"
+    overrides = tiny_overrides(session_assets(tmp_path_factory), run_dir, world=1, steps=4) + [
+        f"reward.custom_fn.path={tmp_path / 'broken_reward.py'}", "reward.max_failed_steps=2",
+        "trainer.val_before_train=false", "trainer.test_freq=-1"]
+    launch = train(overrides, world=1, log=tmp_path / "broken_reward.log")
+    assert 2 in launch.child_exit_codes(), launch.output[-3000:]
+    errors = launch.lines("mppo: error")
+    assert len(errors) == 1 and not mppo_traceback(launch.output), launch.output[-3000:]
+    assert "stopped at step 2: the reward function" in errors[0]
+    assert f"{tmp_path / 'broken_reward.py'}:compute_score" in errors[0]
+    assert "failed on every response of 2 steps in a row (reward.max_failed_steps=2)" in errors[0]
+    assert "KeyError: \"no field 'answer' in this reward on purpose\"" in errors[0]
+    m = read_metrics(run_dir)
+    assert sorted(m) == [1, 2] and [m[s]["reward/error_fraction"] for s in (1, 2)] == [1.0, 1.0]
+    assert m[1]["reward/errors"] == 8.0  # every one of the step's 8 responses
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("global_step_*")) == ["global_step_1"]

@@ -292,6 +292,7 @@ class RewardConfig:
     custom_fn: CustomRewardFnConfig = field(default_factory=CustomRewardFnConfig)  # user reward function
     reward_kwargs: RewardKwargsConfig = field(default_factory=RewardKwargsConfig)  # veRL reward_kwargs (DAPO)
     format_score: Optional[float] = None  # score of a well-formed wrong answer; null: each task's own (countdown 0.1)
+    max_failed_steps: int = 3  # stop when every response of this many steps in a row failed to score; 0: never
 
 
 # -------------------------------------------------------------------------------------------------------- trainer

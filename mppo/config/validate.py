@@ -95,7 +95,7 @@ _RANGES: list[tuple[list[str], tuple[Callable[[Any], bool], str]]] = [
                                                        "expert_model_parallel_size")], _at_least(1)),
     ([f"{o}.{k}" for o in _OPTIMS for k in ("lr", "weight_decay", "clip_grad")]
      + [f"{ACTOR}.kl_loss_coef", "algorithm.kl_ctrl.kl_coef", f"{ROLLOUT}.val_kwargs.temperature",
-        "trainer.critic_warmup", "trainer.max_consecutive_skips"]
+        "trainer.critic_warmup", "trainer.max_consecutive_skips", "reward.max_failed_steps"]
      + [f"{m}.override_transformer_config.{k}" for m in _ROLES_MEGATRON
         for k in ("moe_aux_loss_coeff", "moe_z_loss_coeff")], _at_least(0)),
     ([f"{o}.eps" for o in _OPTIMS] + [f"{ACTOR}.clip_ratio", f"{ACTOR}.clip_ratio_low", f"{ACTOR}.clip_ratio_high",

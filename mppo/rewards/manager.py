@@ -5,8 +5,10 @@ tokens kept (TinyZero's RewardManager: the countdown scorer looks for "Assistant
 which the prompt carries). The sample's score goes on its last valid response token; every other position is 0.
 
 A reward function that raises, or returns something that is not a finite number, costs only that sample: it
-scores 0, is counted in `reward/errors`, and the first such traceback of the run is logged. A
-RewardConfigError (e.g. an unknown data_source) is a setup problem, not a sample problem, and propagates.
+scores 0, is counted in `reward/errors`, and the first such traceback of the run is logged; the last failure is
+kept (`last_error`) for the trainer, which stops a run whose every response fails to score for
+`reward.max_failed_steps` steps in a row. A RewardConfigError (e.g. an unknown data_source) is a setup problem, not
+a sample problem, and propagates.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class RewardManager:
         self.compute_score = compute_score
         self.format_score = format_score
         self.total_errors = 0  # over the manager's life (one run); the first one's traceback is logged
+        self.last_error: str | None = None  # "TypeError: ..." of the latest failure, for the trainer's stop message
 
     def __call__(self, prompts: Sequence[str] | Sequence[Sequence[int]] | torch.Tensor, response_ids: torch.Tensor,
                  response_mask: torch.Tensor, data_sources: Sequence[str], ground_truths: Sequence[Any],
@@ -90,12 +93,21 @@ class RewardManager:
             return _as_score(result)
         except RewardConfigError:
             raise
-        except Exception:
+        except Exception as err:
+            self.last_error = f"{type(err).__name__}: {str(err)[:300]}"
             if self.total_errors == 0:
                 logger.exception("reward function failed on a %r sample; it scores 0 and is counted in "
                                  "reward/errors (only this first traceback of the run is logged)", data_source)
             self.total_errors += 1
             return None
+
+
+def reward_function_name(compute_score: ComputeScore) -> str:
+    """How a stop message names the reward function: module.qualname (a user file's function as file:name)."""
+    module = getattr(compute_score, "__module__", None) or "?"
+    name = getattr(compute_score, "__qualname__", None) or type(compute_score).__name__
+    source = getattr(getattr(compute_score, "__code__", None), "co_filename", "")
+    return f"{source}:{name}" if source and not module.startswith("mppo.") else f"{module}.{name}"
 
 
 def _as_score(result: Any) -> float:

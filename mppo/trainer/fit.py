@@ -31,6 +31,7 @@ from mppo.config.decisions import old_log_prob_micro_batch, old_log_prob_pass, o
 from mppo.data.loader import PromptBatch
 from mppo.errors import UserError
 from mppo.parallel import collective_device
+from mppo.rewards.manager import reward_function_name
 from mppo.rollout.agent_loop import build_agent_loop
 from mppo.rollout.base import SamplingParams
 from mppo.rollout.factory import Rollout
@@ -59,6 +60,10 @@ _METRIC_INPUTS = ("token_level_scores", "token_level_rewards", "advantages", "re
 
 class NonFiniteUpdatesError(UserError, FloatingPointError):
     """Too many consecutive steps had a NaN/inf loss or gradient norm (trainer.max_consecutive_skips)."""
+
+
+class RewardFunctionFailedError(UserError, RuntimeError):
+    """Every response of reward.max_failed_steps steps in a row failed to score: the run would learn from zeros."""
 
 
 class PPOTrainer:
@@ -106,7 +111,8 @@ class PPOTrainer:
         self.dynamic_sampler = self._dynamic_sampler() if cfg.algorithm.filter_groups.enable else None
         self.metrics = MetricsLogger(self.run_dir, cfg.trainer.logger, enabled=self.is_main,
                                      project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name)
-        self.step = self.consecutive_skips = self.skipped_steps = 0
+        self.step = self.consecutive_skips = self.skipped_steps = self.consecutive_failed_rewards = 0
+        self.reward_last_error: str | None = None  # the scorer's latest failure, as the model-parallel leader saw it
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -133,6 +139,7 @@ class PPOTrainer:
         self.step = state["step"]
         self.skipped_steps = state.get("skipped_steps", 0)
         self.consecutive_skips = state.get("consecutive_skips", 0)
+        self.consecutive_failed_rewards = state.get("consecutive_failed_rewards", 0)
         self.metrics.truncate_after(self.step)
         log.info("resumed from %s (step %d)", info.path, self.step)
 
@@ -148,7 +155,8 @@ class PPOTrainer:
             writers["critic"] = lambda d: save_worker_checkpoint(self.critic, d, tokenizer_dir=tokenizer_dir)
         state = {"step": self.step, "data": self.data.train_loader.state_dict(),
                  "kl_ctrl": self.kl_ctrl.state_dict(), "skipped_steps": self.skipped_steps,
-                 "consecutive_skips": self.consecutive_skips}
+                 "consecutive_skips": self.consecutive_skips,
+                 "consecutive_failed_rewards": self.consecutive_failed_rewards}
         fault_hook = self.faults.checkpoint_hook(self.step) if self.faults else None
         with self.watchdog.phase("save_checkpoint", self.step):
             path = self.ckpt.save(self.step, writers, state, fault_hook=fault_hook)
@@ -258,9 +266,11 @@ class PPOTrainer:
         if self.io.is_leader:
             scores, reward_metrics = self.data.reward(rows.raw_prompts, batch["responses"], batch["response_mask"],
                                                       rows.data_sources, rows.ground_truths, rows.extra_infos)
-            scored = {"token_level_scores": scores,
-                      "reward_errors": torch.tensor([reward_metrics.get("reward/errors", 0.0)])}
-        batch.update(self.io.broadcast_from_leader(scored))
+            scored = ({"token_level_scores": scores,
+                       "reward_errors": torch.tensor([reward_metrics.get("reward/errors", 0.0)])},
+                      self.data.reward.last_error)
+        tensors, self.reward_last_error = self.io.broadcast_from_leader(scored)
+        batch.update(tensors)
 
     def train_reward(self, batch: Batch, rows: PromptBatch, prompts: PromptBatch, first_index: int) -> None:
         """The reward of a training rollout of the GLOBAL `prompts`: scores, shaped (DAPO's overlong penalty), and
@@ -346,6 +356,9 @@ class PPOTrainer:
                                     world_size=self.dims.world, flops=self.step_flops, device=self.device))
         errors = all_gather_rows(batch["reward_errors"], self.io.dp_group)
         metrics["reward/errors"] = float(errors.sum().item())
+        # the scorer sees only responses with a token to put the score on (mppo.rewards.manager)
+        scored = int((data.get(UNREJECTED_MASK, data["response_mask"]).sum(-1) > 0).sum().item())
+        metrics["reward/error_fraction"] = metrics["reward/errors"] / max(scored, 1)
         return metrics
 
     # ------------------------------------------------------------------------------------------------ the loop
@@ -371,6 +384,7 @@ class PPOTrainer:
                 metrics.update(self.validate())
             self.metrics.log(self.step, metrics)
             self._stop_if_diverging()
+            self._stop_if_rewards_fail(metrics)
             bar.update(1)
             bar.set_postfix({k.split("/", 1)[-1]: f"{metrics[k]:.3g}" for k in
                              ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "response_length/mean")
@@ -415,6 +429,21 @@ class PPOTrainer:
         if skipped:
             log.warning("step %d: non-finite loss or grad norm, update skipped (%d in a row)", self.step,
                         self.consecutive_skips)
+
+    def _stop_if_rewards_fail(self, metrics: dict[str, float]) -> None:
+        """reward.max_failed_steps: stop once every response of that many steps in a row failed to score (the
+        metrics are global, so every rank takes the same decision), naming the function and its last error."""
+        all_failed = metrics["reward/errors"] > 0 and metrics["reward/error_fraction"] >= 1.0
+        self.consecutive_failed_rewards = self.consecutive_failed_rewards + 1 if all_failed else 0
+        limit = self.cfg.reward.max_failed_steps
+        if limit and self.consecutive_failed_rewards >= limit:
+            name = reward_function_name(self.data.reward.compute_score)
+            raise RewardFunctionFailedError(
+                f"stopped at step {self.step}: the reward function {name} "
+                f"failed on every response of {self.consecutive_failed_rewards} steps in a row "
+                f"(reward.max_failed_steps={limit}); its last error: {self.reward_last_error or 'unknown'}. Fix the "
+                f"reward function (the first traceback is in the log; reward.custom_fn.path selects it) and resume "
+                f"from the last checkpoint in {self.ckpt.root}")
 
     def _stop_if_diverging(self) -> None:
         limit = self.cfg.trainer.max_consecutive_skips

@@ -15,7 +15,7 @@ from mppo.trainer.components import model_facts
 RESUME_FREE = ("trainer.total_epochs", "trainer.total_training_steps", "trainer.save_freq", "trainer.test_freq",
                "trainer.logger", "trainer.max_ckpt_to_keep", "trainer.collective_timeout_s",
                "trainer.val_before_train", "trainer.project_name", "trainer.experiment_name",
-               "trainer.resume_mode", "trainer.max_consecutive_skips", "trainer.default_local_dir",
+               "trainer.resume_mode", "trainer.max_consecutive_skips", "trainer.default_local_dir", "reward.max_failed_steps",
                "trainer.rollout_data_dir",
                "data.val_files", "data.val_batch_size", "actor_rollout_ref.actor.reuse_on_policy_log_prob",
                # where memory goes around the rollout (the engine's share; offloads restore bitwise): what a run
