@@ -40,6 +40,15 @@ def test_qwen2_config_maps_to_megatron():
     assert args.tie_word_embeddings and args.torch_dtype == "bfloat16" and args.heads_per_group == 7
 
 
+def test_dropout_comes_from_the_hf_config_as_in_verl():
+    """veRL's config converter: attention_dropout from the HF config, hidden_dropout where the config has one;
+    absent (most configs) means none. The trainer applies it in updates only (mppo.workers.pipeline)."""
+    assert (transformer_config_kwargs(read_hf_config(QWEN2))["attention_dropout"],
+            transformer_config_kwargs(read_hf_config(QWEN2))["hidden_dropout"]) == (0.0, 0.0)
+    tc = transformer_config_kwargs(read_hf_config({**QWEN2, "attention_dropout": 0.1, "hidden_dropout": 0.05}))
+    assert (tc["attention_dropout"], tc["hidden_dropout"]) == (0.1, 0.05)
+
+
 def test_llama3_config_with_rope_scaling():
     args = read_hf_config(LLAMA3)
     tc = transformer_config_kwargs(args)

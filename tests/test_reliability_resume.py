@@ -13,7 +13,9 @@ Two ranks (DP=2) under torchrun, the real CLI, tiny assets. One chain of five la
 """
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,15 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
-    return session_assets(tmp_path_factory)
+    """The tiny assets with dropout in the model's config.json (read as veRL does, applied in updates): dropout
+    draws from the RNG the checkpoint saves, so a resume that did not restore it would not continue bit-identically
+    (every other random draw is derived from the seed, the step and the sample)."""
+    root = tmp_path_factory.mktemp("resume_assets")
+    shutil.copytree(session_assets(tmp_path_factory), root, dirs_exist_ok=True)
+    config = json.loads((root / "model" / "config.json").read_text())
+    config.update(attention_dropout=0.1, hidden_dropout=0.1)
+    (root / "model" / "config.json").write_text(json.dumps(config))
+    return root
 
 
 def _overrides(assets: Path, run_dir: Path) -> list[str]:

@@ -61,6 +61,8 @@ class HFModelArgs:
     initializer_range: float
     torch_dtype: str | None
     raw: dict[str, Any]  # the config.json as read, written back unchanged by the HF exporter
+    attention_dropout: float = 0.0  # as veRL's config converter: the HF config's, applied in updates only
+    hidden_dropout: float = 0.0
 
     @property
     def heads_per_group(self) -> int:
@@ -195,6 +197,8 @@ def read_hf_config(source: str | Path | dict[str, Any]) -> HFModelArgs:
         initializer_range=float(cfg.get("initializer_range", 0.02)),
         torch_dtype=cfg.get("torch_dtype", cfg.get("dtype")),
         raw=cfg,
+        attention_dropout=float(cfg.get("attention_dropout") or 0.0),
+        hidden_dropout=float(cfg.get("hidden_dropout") or 0.0),
     )
 
 
@@ -213,8 +217,8 @@ def transformer_config_kwargs(args: HFModelArgs) -> dict[str, Any]:
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=args.qkv_bias,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
         init_method_std=args.initializer_range,
         attention_softmax_in_fp32=True,
         apply_query_key_layer_scaling=False,

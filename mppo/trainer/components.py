@@ -54,7 +54,10 @@ def model_facts(model_path: str) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as err:
         raise ConfigError(f"cannot read {config_file} ({type(err).__name__}: {err}); restore the model's "
                           "config.json") from err
-    return {key: config.get(key) for key in MODEL_FACTS}
+    facts = {key: config.get(key) for key in MODEL_FACTS}
+    # dropout changes what an update computes; listed only when set, so older checkpoints of models without it resume
+    facts.update({key: config[key] for key in ("attention_dropout", "hidden_dropout") if config.get(key)})
+    return facts
 
 
 def check_startup(cfg: MppoConfig) -> None:

@@ -136,7 +136,11 @@ def peak_flops(device: torch.device) -> float:
     key = str(device)
     if key not in _measured_peak:
         n = 1024
-        a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+        # its own generator: a draw from the run's would move dropout's stream in the first step of every process,
+        # so a resumed run would diverge from the uninterrupted one
+        numbers = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(n, n, device=device, generator=numbers)
+        b = torch.randn(n, n, device=device, generator=numbers)
         a @ b  # warm-up
         best = 0.0
         for _ in range(PEAK_TRIALS):

@@ -77,6 +77,8 @@ def run_pipeline(model_chunks: Sequence[nn.Module], micro_batches: Sequence[Batc
         return output, scaled_loss
 
     data = [iter(micro_batches) for _ in model_chunks]
+    for chunk in model_chunks:  # as veRL: dropout (the HF config's) in the update, none in log-prob/value passes
+        chunk.train(not forward_only)
     grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
     with grad_ctx:
         outputs = get_forward_backward_func()(
