@@ -490,7 +490,21 @@ def test_dynamic_sampling_settings():
         *grpo, "algorithm.filter_groups.enable=true", "data.gen_batch_size=12")
     assert error_of("algorithm.adv_estimator=remax", "critic.enable=null", "algorithm.filter_groups.enable=true"
                     ).startswith("actor_rollout_ref.rollout.n = 1: algorithm.filter_groups drops groups")
-    assert "choose one of: reward, seq_reward" in error_of(*grpo, "algorithm.filter_groups.metric=acc")
+    fg = ("algorithm.filter_groups.enable=true", "data.gen_batch_size=24")
+    assert error_of(*grpo, *fg, "algorithm.filter_groups.metric=accuracy") == (
+        "algorithm.filter_groups.metric = 'accuracy' is not a known value; choose one of: "
+        "acc, reward, score, seq_final_reward, seq_reward")
+    for metric in ("reward", "acc", "seq_reward", "seq_final_reward"):
+        assert load(*grpo, *fg, f"algorithm.filter_groups.metric={metric}").algorithm.filter_groups.metric == metric
+    assert error_of(*grpo, *fg, "algorithm.filter_groups.metric=score") == (
+        "algorithm.filter_groups.metric = 'score': the built-in reward functions return a number, which counts as "
+        "'acc' (no 'score' key of a dict return); use metric=acc or metric=reward, or a reward.custom_fn that "
+        "returns {'score': ...}")
+    load(*grpo, *fg, "algorithm.filter_groups.metric=score", "reward.custom_fn.path=mine.py")  # known when it runs
+    assert error_of(*grpo, *fg, "algorithm.filter_groups.metric=seq_final_reward", "algorithm.use_kl_in_reward=true"
+                    ).startswith("algorithm.filter_groups.metric = 'seq_final_reward': the reward after the in-reward "
+                                 "KL penalty needs the reference log-probs")
+    load(*grpo, "algorithm.filter_groups.metric=score")  # without dynamic sampling the metric is not used
 
 
 def test_kl_in_reward_and_kl_loss_together():

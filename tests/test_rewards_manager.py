@@ -121,3 +121,31 @@ def test_non_contiguous_mask_uses_the_last_valid_position():
     scores, _ = RewardManager(TOK)([PROMPT], ids, mask, ["countdown"], [GT])
     last = int(mask[0].nonzero().max())
     assert scores[0, last] == 1.0 and scores.sum() == 1.0
+
+
+def test_extra_info_is_the_numbers_each_response_returned():
+    """veRL's reward_extra_info per response (dynamic sampling filters on acc / score): a number return is acc,
+    a dict return gives its numeric keys; failed and empty responses have 0, a key not returned is NaN."""
+    returns = [0.5, {"score": 0.25, "acc": True, "pred": "12", "n": torch.tensor(3)}, RuntimeError("down"),
+               {"score": 1.0}, None]
+
+    def fn(data_source, solution_str, ground_truth, extra_info=None):
+        result = returns[extra_info["i"]]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    ids, mask = _responses(["a", "ab", "abc", "abcd", ""], width=4)
+    manager = RewardManager(TOK, fn)
+    scores, metrics, extra = manager.score_with_info(["p"] * 5, ids, mask, ["x"] * 5, [None] * 5,
+                                                     [{"i": i} for i in range(5)])
+    assert sorted(extra) == ["acc", "n", "score"]
+    nan = math.nan
+    for key, want in {"acc": [0.5, 1.0, 0.0, nan, 0.0], "score": [nan, 0.25, 0.0, 1.0, 0.0],
+                      "n": [nan, 3.0, 0.0, nan, 0.0]}.items():
+        assert extra[key].dtype == torch.float32
+        assert [v if not math.isnan(v) else "nan" for v in extra[key].tolist()] == \
+            [v if not math.isnan(v) else "nan" for v in want], key
+    assert scores.sum(-1).tolist() == [0.5, 0.25, 0.0, 1.0, 0.0] and metrics["reward/errors"] == 1.0
+    plain, plain_metrics = manager(["p"] * 5, ids, mask, ["x"] * 5, [None] * 5, [{"i": i} for i in range(5)])
+    assert torch.equal(plain, scores) and plain_metrics == metrics

@@ -247,7 +247,10 @@ class RolloutCorrectionConfig:
 class FilterGroupsConfig:
     # veRL algorithm.filter_groups: DAPO dynamic sampling, drop groups whose responses all score the same
     enable: bool = False  # drop uniform groups and generate more batches until train_batch_size groups are kept
-    metric: str = choice("reward", "seq_reward")  # per-response value compared: both = summed score before KL
+    # per-response value compared: reward, seq_reward = summed score before KL (overlong penalty included);
+    # seq_final_reward = summed score after the in-reward KL; acc, score = the reward function's own (before the
+    # overlong penalty): a number it returns is acc, a dict return gives its keys (veRL's DAPO reward manager)
+    metric: str = choice("reward", "acc", "score", "seq_reward", "seq_final_reward")
     max_num_gen_batches: int = 0  # generation batches per step at most; <= 0: no limit
 
 

@@ -308,6 +308,7 @@ def _check_dynamic_sampling(cfg: MppoConfig, dp: int) -> None:
     if cfg.actor_rollout_ref.rollout.n < 2:
         raise _fail(f"{ROLLOUT}.n", cfg.actor_rollout_ref.rollout.n, "algorithm.filter_groups drops groups whose "
                     "responses all score the same, and a group of one is never dropped", f"set {ROLLOUT}.n >= 2")
+    _check_filter_metric(cfg)
     gen = tbs if gen is None else gen
     # A step that reaches max_num_gen_batches is filled with filtered groups: one generation batch must be enough.
     if gen < tbs:
@@ -316,6 +317,20 @@ def _check_dynamic_sampling(cfg: MppoConfig, dp: int) -> None:
     if gen % dp:
         raise _fail("data.gen_batch_size", gen, f"does not split over the {dp} data-parallel ranks",
                     f"use a multiple of {dp}")
+
+
+def _check_filter_metric(cfg: MppoConfig) -> None:
+    """What the metric needs that the config can tell (mppo.trainer.dynamic_sampling says what each one is); a
+    user function's return is known only when it runs: the first step stops on a key it does not return."""
+    key, metric = "algorithm.filter_groups.metric", cfg.algorithm.filter_groups.metric
+    if metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        raise _fail(key, metric, "the reward after the in-reward KL penalty needs the reference log-probs, which "
+                    "are computed after filtering, for the kept groups only",
+                    "use metric=seq_reward (the score before KL), or algorithm.use_kl_in_reward=false")
+    if metric == "score" and not cfg.reward.custom_fn.path:
+        raise _fail(key, metric, "the built-in reward functions return a number, which counts as 'acc' (no "
+                    "'score' key of a dict return)", "use metric=acc or metric=reward, or a reward.custom_fn "
+                    "that returns {'score': ...}")
 
 
 def _check_overlong_buffer(cfg: MppoConfig) -> None:

@@ -15,6 +15,16 @@ DP so all ranks decide on the same global batch, and each takes its contiguous s
 batch k of a step samples with prompt offsets shifted by k * gen_batch_size (distinct random streams, a function
 of (step, k) only: resume is exact), and its group ids are shifted by k * dataset size (a prompt seen again
 after an epoch boundary within one step is another group).
+
+`metric` (veRL's names; its DAPO recipe and 0.9.1's trainer) is the per-response value compared:
+- `reward`, `seq_reward`: the summed token-level score (DAPO's overlong penalty included), before any KL;
+- `seq_final_reward`: the summed token-level reward after the in-reward KL penalty. Groups are filtered before
+  the reference log-probs exist (only kept groups get them), so validation allows it only without
+  algorithm.use_kl_in_reward, where it equals `seq_reward` (veRL's recipe computes the penalty before filtering
+  from a reference log-prob it has not computed yet, and fails);
+- `acc`, `score`: that key of the reward function's extra info (mppo.rewards.manager: a number it returns is
+  `acc`, a dict return gives its numeric keys), before the overlong penalty. A response whose function did not
+  return the key stops the run with FilterMetricError, on every rank alike.
 """
 from __future__ import annotations
 
@@ -25,6 +35,7 @@ import torch
 
 from mppo.config import MppoConfig
 from mppo.data.loader import PromptBatch
+from mppo.errors import UserError
 from mppo.trainer.parallel_io import ModelParallelIO
 from mppo.trainer.rollout_batch import all_gather_rows, local_rows
 
@@ -32,6 +43,35 @@ log = logging.getLogger("mppo")
 
 # Rollout tensors whose second dimension is the (left-padded) prompt plus the response, or the prompt alone.
 _PROMPT_PADDED = ("input_ids", "attention_mask", "position_ids", "prompt_mask")
+# Batch key of the reward extra info value compared (metric acc / score), [B] float32; NaN: not returned.
+FILTER_METRIC = "filter_metric"
+EXTRA_INFO_METRICS = ("acc", "score")
+
+
+class FilterMetricError(UserError, RuntimeError):
+    """algorithm.filter_groups.metric names a reward extra info key the reward function did not return."""
+
+
+def reward_extra_key(cfg: MppoConfig) -> str | None:
+    """The reward extra info key dynamic sampling compares (None: it compares the summed scores, or is off)."""
+    fg = cfg.algorithm.filter_groups
+    return fg.metric if fg.enable and fg.metric in EXTRA_INFO_METRICS else None
+
+
+def metric_values(metric: str, batch: dict[str, torch.Tensor], reward_name: str = "the reward function"
+                  ) -> torch.Tensor:
+    """[B] the value each response's group is compared on (see the module docstring)."""
+    if metric not in EXTRA_INFO_METRICS:  # reward, seq_reward; seq_final_reward (validated: no KL in the reward)
+        return batch["token_level_scores"].sum(dim=-1)
+    values = batch[FILTER_METRIC]
+    missing = int(torch.isnan(values).sum())
+    if missing:
+        raise FilterMetricError(
+            f"algorithm.filter_groups.metric={metric}: {reward_name} returned no {metric!r} for {missing} of "
+            f"{values.numel()} responses (a number it returns counts as 'acc'; a dict return gives its numeric "
+            f"keys); return a dict with {metric!r} from it (veRL's form: {{'score': ..., 'acc': ...}}), or set "
+            "algorithm.filter_groups.metric=reward (the summed score)")
+    return values
 
 
 def group_verdicts(metric: torch.Tensor, uid: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
@@ -67,7 +107,7 @@ def _concat(parts: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str
 
 
 # (GLOBAL prompts of a generation batch, global index of its first prompt) -> this DP rank's rows, rolled out and
-# rewarded (token_level_scores, reward_errors)
+# rewarded (token_level_scores, reward_errors; FILTER_METRIC when the metric is acc or score)
 GenerationBatch = Callable[[PromptBatch, int], dict[str, torch.Tensor]]
 
 
@@ -75,8 +115,9 @@ class DynamicSampler:
     """Collects one step's training batch from as many generation batches as `algorithm.filter_groups` needs."""
 
     def __init__(self, cfg: MppoConfig, io: ModelParallelIO, *, dataset_size: int, n: int, pad_token_id: int,
-                 generation_batch: GenerationBatch) -> None:
+                 generation_batch: GenerationBatch, reward_name: str = "the reward function") -> None:
         self.io = io
+        self.metric, self.reward_name = cfg.algorithm.filter_groups.metric, reward_name
         self.n = n
         self.pad_token_id = pad_token_id
         self.generation_batch = generation_batch
@@ -95,7 +136,7 @@ class DynamicSampler:
             errors += float(all_gather_rows(batch.pop("reward_errors"), io.dp_group).sum())
             batch["uid"] = batch["uid"] + gen * self.dataset_size
             full = {k: all_gather_rows(v.cpu(), io.dp_group) for k, v in batch.items()}
-            kept, filtered = group_verdicts(full["token_level_scores"].sum(dim=-1), full["uid"])
+            kept, filtered = group_verdicts(metric_values(self.metric, full, self.reward_name), full["uid"])
             gen += 1
             num_kept, num_filtered = num_kept + len(kept), num_filtered + len(filtered)
             for groups, parts in ((kept, kept_parts), (filtered, filtered_parts)):
@@ -114,7 +155,7 @@ class DynamicSampler:
                         self.train_groups, gen, self.max_gen_batches, filled)
         full = _concat(kept_parts + filtered_parts, self.pad_token_id)
         full = {k: v[:self.train_groups * self.n] for k, v in full.items()}
-        local_batch = {k: local_rows(v, io.dp_group) for k, v in full.items()}
+        local_batch = {k: local_rows(v, io.dp_group) for k, v in full.items() if k != FILTER_METRIC}
         local_batch["reward_errors"] = torch.tensor([errors if io.dims.dp_rank == 0 else 0.0])
         metrics = {"train/num_gen_batches": float(gen), "train/filter_groups/kept_groups": float(num_kept),
                    "train/filter_groups/filtered_groups": float(num_filtered),

@@ -36,7 +36,7 @@ from mppo.rollout.agent_loop import build_agent_loop
 from mppo.rollout.base import SamplingParams
 from mppo.rollout.factory import Rollout
 from mppo.trainer import components, faults, remax, response_shaping, roles, rollout_correction, validation
-from mppo.trainer.dynamic_sampling import DynamicSampler
+from mppo.trainer.dynamic_sampling import FILTER_METRIC, DynamicSampler, reward_extra_key
 from mppo.trainer.metrics import (UNREJECTED_MASK, MetricsLogger, StepTimer, compute_data_metrics, perf_metrics,
                                   plot_metrics, tool_call_metrics)
 from mppo.trainer.model_flops import ppo_step_flops
@@ -120,7 +120,8 @@ class PPOTrainer:
     def _dynamic_sampler(self) -> DynamicSampler:
         return DynamicSampler(self.cfg, self.io, dataset_size=len(self.data.train_loader.dataset),
                               n=self.train_sampling.n, pad_token_id=self.data.tokenizer.pad_token_id,
-                              generation_batch=self.generation_batch)
+                              generation_batch=self.generation_batch,
+                              reward_name=reward_function_name(self.data.reward.compute_score))
 
     # ------------------------------------------------------------------------------------------------ resume
     def maybe_resume(self) -> None:
@@ -259,23 +260,27 @@ class PPOTrainer:
                                     pad_token_id=self.data.tokenizer.pad_token_id)
         return batch, mine.repeat(n)
 
-    def reward(self, batch: Batch, rows: PromptBatch) -> None:
+    def reward(self, batch: Batch, rows: PromptBatch, extra_key: str | None = None) -> None:
         """`token_level_scores` of the batch's responses (`rows`: each row's prompt) and `reward_errors` (the
-        scorer's failures), scored on the model-parallel leader and shared with its group."""
+        scorer's failures), scored on the model-parallel leader and shared with its group; with `extra_key`, also
+        that key of the reward extra info as FILTER_METRIC (NaN where the function did not return it)."""
         scored = None
         if self.io.is_leader:
-            scores, reward_metrics = self.data.reward(rows.raw_prompts, batch["responses"], batch["response_mask"],
-                                                      rows.data_sources, rows.ground_truths, rows.extra_infos)
-            scored = ({"token_level_scores": scores,
-                       "reward_errors": torch.tensor([reward_metrics.get("reward/errors", 0.0)])},
-                      self.data.reward.last_error)
+            scores, reward_metrics, extra = self.data.reward.score_with_info(
+                rows.raw_prompts, batch["responses"], batch["response_mask"], rows.data_sources, rows.ground_truths,
+                rows.extra_infos)
+            tensors = {"token_level_scores": scores,
+                       "reward_errors": torch.tensor([reward_metrics.get("reward/errors", 0.0)])}
+            if extra_key is not None:
+                tensors[FILTER_METRIC] = extra.get(extra_key, torch.full((scores.shape[0],), float("nan")))
+            scored = (tensors, self.data.reward.last_error)
         tensors, self.reward_last_error = self.io.broadcast_from_leader(scored)
         batch.update(tensors)
 
     def train_reward(self, batch: Batch, rows: PromptBatch, prompts: PromptBatch, first_index: int) -> None:
         """The reward of a training rollout of the GLOBAL `prompts`: scores, shaped (DAPO's overlong penalty), and
         ReMax's greedy baselines when the estimator needs them."""
-        self.reward(batch, rows)
+        self.reward(batch, rows, reward_extra_key(self.cfg))
         response_shaping.shape_scores(self.cfg, batch)
         if "reward_baselines" in self.estimator_needs:
             greedy, greedy_rows = self.rollout_batch(prompts, first_index,
