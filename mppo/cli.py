@@ -15,7 +15,7 @@ import time
 import warnings
 from typing import Sequence
 
-from mppo.config import load_config, to_yaml  # light: omegaconf + yaml, no torch
+from mppo.config import to_yaml  # light: omegaconf + yaml, no torch
 from mppo.errors import UserError
 
 # subcommand -> (module whose `main(argv: list[str]) -> int` runs it, one-line help). "{name}" in the module is
@@ -68,18 +68,16 @@ def _train(args: argparse.Namespace) -> int:
         if "=" not in item:
             return _error(f"'{item}' is not a key=value override (the config file, if any, comes first)")
     world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            cfg = load_config(path, overrides, world_size=world_size)
-        from mppo.preflight import check_config
+    from mppo.preflight import load_checked, print_warnings
 
-        check_config(cfg)  # what the trainer rejects from the config alone, --dry-run rejects too
+    try:
+        # what the trainer rejects from the config alone, --dry-run rejects too; what it needs of this machine
+        # (the rollout engine's package) the trainer refuses at start-up, and --dry-run only warns of
+        cfg, notes = load_checked(path, overrides, world_size=world_size, planning=args.dry_run)
     except USER_INPUT_ERRORS as e:
         return _error(str(e))
     if _is_rank0():
-        for w in caught:
-            print(f"mppo: warning: {w.message}", file=sys.stderr)
+        print_warnings(notes)
     if args.dry_run:
         if _is_rank0():
             sys.stdout.write(to_yaml(cfg))

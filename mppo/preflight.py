@@ -1,21 +1,49 @@
 """What `mppo train` rejects before it starts anything, with or without --dry-run, beyond mppo.config.validate
 (which checks a config on its own, for any trainer): the trainer runs the same checks first, so a dry run rejects
-what the run would. Reads only the config and the models' config.json: nothing of this machine (its GPUs and
-packages are the trainer's start-up checks, mppo.trainer.components.check_startup)."""
+what the run would. check_config reads only the config and the models' config.json, nothing of this machine: the
+trainer's start-up checks (mppo.trainer.components.check_startup) refuse a machine without the run's packages,
+while `--dry-run` and `mppo plan` (load_checked with planning=True) only warn, since they are for planning a GPU
+run from a login node or a laptop."""
 from __future__ import annotations
 
+import sys
+import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
-from mppo.config import MppoConfig
+from mppo.config import MppoConfig, load_config
 from mppo.config.validate import check_shared_layout
 
 
+def load_checked(path: str | None, overrides: list[str], *, world_size: int | None = None,
+                 planning: bool = False) -> tuple[MppoConfig, list[str]]:
+    """The config of `mppo train` (with or without --dry-run) and of `mppo plan`: loaded, validated and
+    check_config'ed (a UserError otherwise), with its warnings, one line each: the config's own and, when
+    `planning`, what the run needs that this machine lacks (the rollout engine's package)."""
+    from mppo.rollout.factory import rollout_package_warning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(path, overrides, world_size=world_size)
+    check_config(cfg)
+    notes = [str(w.message) for w in caught]
+    if planning and (missing := rollout_package_warning(cfg)) is not None:
+        notes.append(missing)
+    return cfg, notes
+
+
+def print_warnings(notes: Sequence[str]) -> None:
+    """Each warning once, one line each, on stderr (stdout keeps the config or the plan)."""
+    for note in dict.fromkeys(notes):
+        print(f"mppo: warning: {note}", file=sys.stderr)
+
+
 def check_config(cfg: MppoConfig) -> None:
-    """One layout for every model, the rollout's setup (the engine's package), a model mppo cannot map."""
-    from mppo.rollout.factory import check_rollout_setup
+    """One layout for every model, a rollout setup the engine would serve wrong, a model mppo cannot map."""
+    from mppo.rollout.factory import check_rollout_config
 
     check_shared_layout(cfg)
-    check_rollout_setup(cfg)
+    check_rollout_config(cfg)
     check_models(cfg)
 
 

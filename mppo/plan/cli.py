@@ -6,12 +6,13 @@ import json
 import sys
 from pathlib import Path
 
-from mppo.config import ConfigError, MppoConfig, load_config
+from mppo.config import ConfigError, MppoConfig
 from mppo.models.hf_config import HFModelArgs, UnsupportedModelError, read_hf_config
 from mppo.plan.catalog import DEVICES, KNOWN_HF_CONFIGS, GiB, known_config
 from mppo.plan.memory import PlanError
 from mppo.plan.planner import Plan, plan
 from mppo.plan.render import render_markdown, render_text
+from mppo.preflight import load_checked, print_warnings
 
 DESCRIPTION = ("Estimate the per-GPU memory (actor, critic, reference, activations, log-prob kernel, rollout engine) "
                "and the step time of a config, and say whether it fits. Example: mppo plan "
@@ -61,8 +62,12 @@ def model_args(cfg: MppoConfig, hf_config: str | None) -> tuple[HFModelArgs, str
         raise ConfigError(f"cannot plan {path}: {e}") from None
 
 
-def plan_config(path: str | None, overrides: list[str], args: argparse.Namespace) -> Plan:
-    cfg = load_config(path, overrides)
+def plan_config(path: str | None, overrides: list[str], args: argparse.Namespace,
+                notes: list[str] | None = None) -> Plan:
+    """The plan of one config, checked as `mppo train --dry-run` checks it; its warnings go to `notes`."""
+    cfg, warnings = load_checked(path, overrides, planning=True)
+    if notes is not None:
+        notes.extend(warnings)
     hf_args, name = model_args(cfg, args.hf_config)
     device = args.device or ("cpu" if cfg.trainer.device == "cpu" else "h100")
     memory = int(args.device_memory * GiB) if args.device_memory is not None else None
@@ -82,7 +87,9 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--device-memory must be a positive number of GiB, got {args.device_memory:g}")
     if not 0 < args.mfu <= 1:
         raise ConfigError(f"--mfu must be in (0, 1], got {args.mfu:g}")
-    plans = [plan_config(path, overrides, args) for path in (paths or [None])]
+    notes: list[str] = []
+    plans = [plan_config(path, overrides, args, notes) for path in (paths or [None])]
+    print_warnings(notes)  # once for all the configs
     if args.json:
         text = json.dumps([p.to_dict() for p in plans] if len(plans) > 1 else plans[0].to_dict(), indent=2,
                           default=str)

@@ -124,11 +124,21 @@ def launch_layout(engine_tp: int) -> RolloutLayout:
 
 # ---------------------------------------------------------------------------------------------------- checks
 def check_rollout_setup(cfg: MppoConfig) -> None:
-    """What can be checked about the rollout before anything is built (trainer start-up, `mppo train --dry-run`):
-    the engine's package and version, and models SGLang would serve wrong. Layout arithmetic is
-    mppo.config.validate's."""
+    """What can be checked about the rollout before anything is built (trainer start-up): the config's
+    (check_rollout_config) and this machine's (check_rollout_package). Layout arithmetic is mppo.config.validate's."""
+    check_rollout_config(cfg)
+    check_rollout_package(cfg)
+
+
+def check_rollout_config(cfg: MppoConfig) -> None:
+    """The rollout checks that read only the config and the model's config.json (also `--dry-run`, `mppo plan`)."""
     if cfg.actor_rollout_ref.rollout.name == "sglang":
         check_sglang_serves(cfg.actor_rollout_ref.model.path)
+
+
+def check_rollout_package(cfg: MppoConfig) -> None:
+    """The engine's package and version on this machine: MissingGpuPackageError, one line naming the fix."""
+    if cfg.actor_rollout_ref.rollout.name == "sglang":
         from mppo.rollout.sglang_protocol import installed_sglang_version
 
         try:
@@ -137,7 +147,25 @@ def check_rollout_setup(cfg: MppoConfig) -> None:
             from mppo.models.spec import MissingGpuPackageError
 
             raise MissingGpuPackageError(f"actor_rollout_ref.rollout.name=sglang: {exc}; or use "
-                                      "actor_rollout_ref.rollout.name=cpu") from None
+                                         "actor_rollout_ref.rollout.name=cpu") from None
+
+
+def rollout_package_warning(cfg: MppoConfig) -> str | None:
+    """What check_rollout_package would refuse, as one warning line for planning on another machine than the run's
+    (a login node, a laptop): the run needs the engine, its plan does not. None when this machine has it."""
+    from mppo.models.spec import MissingGpuPackageError
+
+    try:
+        check_rollout_package(cfg)
+    except MissingGpuPackageError:
+        from mppo.rollout.sglang_protocol import INSTALL_HINT, SUPPORTED_SGLANG, sglang_version_here
+
+        version = sglang_version_here()
+        here = "SGLang is not installed here" if version is None else \
+            f"SGLang is not installed here in a version the run can use (found sglang {version})"
+        return (f"{here}; the run needs it (actor_rollout_ref.rollout.name=sglang: sglang{SUPPORTED_SGLANG}): "
+                f"{INSTALL_HINT}")
+    return None
 
 
 def check_sglang_serves(model_path: str | None) -> None:

@@ -93,12 +93,19 @@ def check_sglang_version(version: str) -> None:
         raise ImportError(f"mppo's SGLang rollout needs sglang{SUPPORTED_SGLANG}, found sglang {version}: {INSTALL_HINT}")
 
 
+def sglang_version_here() -> str | None:
+    """The version of the SGLang installed here (its package metadata: nothing is imported), None without one."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def installed_sglang_version() -> str:
     """The installed SGLang's version, checked against SUPPORTED_SGLANG (ImportError naming the fix otherwise)."""
-    try:
-        version = importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        raise ImportError(f"the SGLang rollout engine needs SGLang, which is not installed: {INSTALL_HINT}") from None
+    version = sglang_version_here()
+    if version is None:
+        raise ImportError(f"the SGLang rollout engine needs SGLang, which is not installed: {INSTALL_HINT}")
     check_sglang_version(version)
     return version
 

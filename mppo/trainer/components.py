@@ -62,10 +62,13 @@ def model_facts(model_path: str) -> dict[str, Any]:
 
 def check_startup(cfg: MppoConfig) -> None:
     """What stops a run at start-up, in seconds, before megatron is imported or any model is built: check_config,
-    then what this machine must have (the GPU packages the config asks for, its device)."""
+    then what this machine must have (the GPU packages the config asks for, its device): `--dry-run` and
+    `mppo plan` only warn of a missing package, the run stops here."""
     from mppo.models.spec import resolve_transformer_impl
+    from mppo.rollout.factory import check_rollout_package
 
     check_config(cfg)
+    check_rollout_package(cfg)  # raises MissingGpuPackageError
     resolve_transformer_impl(cfg.actor_rollout_ref.model.transformer_impl)  # raises MissingGpuPackageError
     check_device(cfg)
 
