@@ -49,11 +49,17 @@ def check_config(cfg: MppoConfig) -> None:
 
 def check_models(cfg: MppoConfig) -> None:
     """Stop at start-up on a model mppo cannot map (an unknown model_type, an unsupported MoE variant such as shared
-    experts or another router): one line naming the config.json key, before megatron is imported. A model directory
-    without config.json is left to the model loader, which names the missing file."""
+    experts or another router), and on a model or tokenizer that needs its own code while
+    actor_rollout_ref.model.trust_remote_code is false (mppo.models.remote_code): one line naming the file and key,
+    before megatron is imported. A model directory without config.json is left to the model loader, which names the
+    missing file. The reference policy is the actor's model."""
     from mppo.models.hf_config import read_hf_config
+    from mppo.models.remote_code import check_remote_code
 
-    paths = [cfg.actor_rollout_ref.model.path] + ([cfg.critic.model.path] if cfg.critic.enable else [])
+    model = cfg.actor_rollout_ref.model
+    paths = [model.path] + ([cfg.critic.model.path] if cfg.critic.enable else [])
     for path in dict.fromkeys(p for p in paths if p):
         if (Path(path).expanduser() / "config.json").is_file():
             read_hf_config(Path(path).expanduser())
+    for path in dict.fromkeys(p for p in [*paths, model.tokenizer_path] if p):
+        check_remote_code(path, model.trust_remote_code)

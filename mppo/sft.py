@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from mppo.data import DatasetError, RLDataset, load_tokenizer
 from mppo.data.tokenizer import TokenizerLoadError
 from mppo.models.atomic import atomic_directory
+from mppo.models.remote_code import RemoteCodeError, check_remote_code
 from mppo.models.weights import TOKENIZER_FILES
 from mppo.sft_examples import (SFTError, SFTExample, build_examples, format_response,  # noqa: F401 (public)
                                 noisy_solution)
@@ -144,13 +145,17 @@ def init_tiny_model(tokenizer: Any, spec: TinyModelSpec = TinyModelSpec(), seed:
         return Qwen2ForCausalLM(config).float()
 
 
-def load_model(path: str | os.PathLike[str]) -> torch.nn.Module:
+def load_model(path: str | os.PathLike[str], trust_remote_code: bool = False) -> torch.nn.Module:
+    """The HF model at `path` in fp32; a model that needs its own code loads only with `trust_remote_code`
+    (mppo.models.remote_code; without it, one line: RemoteCodeError)."""
     from transformers import AutoModelForCausalLM
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"no HF model in {os.fspath(path)!r} (no config.json); give an HF model directory "
                                 "to --model, or use --init-tiny --tokenizer DIR for a random tiny model")
-    return AutoModelForCausalLM.from_pretrained(os.fspath(path), dtype=torch.float32, local_files_only=True)
+    check_remote_code(path, trust_remote_code, flag="--trust-remote-code")
+    return AutoModelForCausalLM.from_pretrained(os.fspath(path), dtype=torch.float32, local_files_only=True,
+                                                trust_remote_code=trust_remote_code)
 
 
 def _lr_factor(step: int, warmup_steps: int) -> float:
@@ -195,20 +200,28 @@ def train(model: torch.nn.Module, examples: Sequence[SFTExample], pad_token_id: 
 
 def save(model: torch.nn.Module, tokenizer_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
          overwrite: bool = False) -> None:
-    """Write an HF model directory atomically: the model (safetensors + config) and the tokenizer's files."""
+    """Write an HF model directory atomically: the model (safetensors + config) and the tokenizer's files (with its
+    own code, when it has some: mppo.models.remote_code)."""
+    from mppo.models.remote_code import custom_code_files
+
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp)
         for name in TOKENIZER_FILES:
             source = Path(tokenizer_dir) / name
             if name != "generation_config.json" and source.is_file():
                 shutil.copy2(source, tmp / name)
+        for source in custom_code_files(tokenizer_dir):
+            if not (tmp / source.name).exists():  # save_pretrained wrote the model's own code already
+                shutil.copy2(source, tmp / source.name)
 
 
 def run_sft(data: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, model_path: str | None = None,
             tokenizer_path: str | None = None, tiny: TinyModelSpec | None = None, config: SFTConfig = SFTConfig(),
-            device: str = "cpu", overwrite: bool = False, progress: bool = True) -> SFTResult:
+            device: str = "cpu", overwrite: bool = False, progress: bool = True,
+            trust_remote_code: bool = False) -> SFTResult:
     """Fine-tune a model (`model_path`, or a random tiny one when `tiny` is given) on `data` and save it to
-    `out_dir`. The tokenizer comes from `tokenizer_path`, else from `model_path`."""
+    `out_dir`. The tokenizer comes from `tokenizer_path`, else from `model_path`. `trust_remote_code`: the model
+    and tokenizer may run their own code (--trust-remote-code)."""
     config.check()
     if (model_path is None) == (tiny is None):
         raise SFTError("give exactly one of a model (--model HF_DIR) or a tiny random model (--init-tiny)")
@@ -217,7 +230,9 @@ def run_sft(data: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, mo
         raise SFTError("--init-tiny needs --tokenizer DIR (e.g. one written by mppo.data.build_local_tokenizer)")
     if Path(out_dir).exists() and not overwrite:
         raise SFTError(f"{os.fspath(out_dir)!r} already exists; choose a new --out directory or pass --overwrite")
-    tokenizer = load_tokenizer(tokenizer_dir)
+    if model_path is not None:  # before the data is read: a refused model should stop at once
+        check_remote_code(model_path, trust_remote_code, flag="--trust-remote-code")
+    tokenizer = load_tokenizer(tokenizer_dir, trust_remote_code, flag="--trust-remote-code")
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     dataset = RLDataset(data, tokenizer, max_prompt_length=config.max_prompt_length,
                         filter_overlong_prompts="error")
@@ -230,7 +245,8 @@ def run_sft(data: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, mo
         examples = build_examples(dataset, tokenizer, config.max_response_length, config.max_rows,
                                   config.solution_noise, config.seed)
     torch.manual_seed(config.seed)
-    model = init_tiny_model(tokenizer, tiny, config.seed) if tiny is not None else load_model(model_path)
+    model = init_tiny_model(tokenizer, tiny, config.seed) if tiny is not None else load_model(model_path,
+                                                                                            trust_remote_code)
     if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
         raise SFTError(f"the model's vocabulary ({model.get_input_embeddings().weight.shape[0]}) is smaller than "
                        f"the tokenizer's ({len(tokenizer)}); use the model's own tokenizer")
@@ -251,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--model", help="HF model directory to start from (its tokenizer unless --tokenizer)")
     source.add_argument("--init-tiny", action="store_true", help="start from a random tiny Qwen2 (needs --tokenizer)")
     parser.add_argument("--tokenizer", help="tokenizer directory")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let a model or tokenizer that ships its own Python code (auto_map) run it")
     tiny = parser.add_argument_group("tiny model (--init-tiny)")
     tiny.add_argument("--hidden", type=int, default=TinyModelSpec.hidden_size)
     tiny.add_argument("--layers", type=int, default=TinyModelSpec.num_layers)
@@ -301,8 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         losses = run_sft(args.data, args.out, model_path=args.model, tokenizer_path=args.tokenizer, tiny=tiny,
                          config=config, device=args.device, overwrite=args.overwrite,
-                         progress=not args.no_progress).losses
-    except (SFTError, DatasetError, TokenizerLoadError, FileNotFoundError) as err:
+                         progress=not args.no_progress, trust_remote_code=args.trust_remote_code).losses
+    except (SFTError, DatasetError, TokenizerLoadError, RemoteCodeError, FileNotFoundError) as err:
         print(f"mppo sft: error: {err}", file=sys.stderr)
         return 2
     print(f"mppo sft: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; saved {args.out}")

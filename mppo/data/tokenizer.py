@@ -77,11 +77,16 @@ def _pin_tokenizer_class(out_dir: str) -> None:
         json.dump(config, f, indent=2)
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+def load_tokenizer(path: str | os.PathLike[str], trust_remote_code: bool = False, *,
+                   flag: str = "actor_rollout_ref.model.trust_remote_code=true") -> Any:
     """Load a tokenizer directory: PreTrainedTokenizerFast for one made by `build_local_tokenizer` (AutoTokenizer
     would pick Qwen2Tokenizer for a qwen2 model directory and may rebuild its pipeline), AutoTokenizer otherwise.
-    Never downloads."""
+    Never downloads. A tokenizer that needs its own code (mppo.models.remote_code) loads only with
+    `trust_remote_code`, and otherwise stops with one line (RemoteCodeError) naming `flag`, the setting that
+    allows it."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from mppo.models.remote_code import check_remote_code
 
     path = os.fspath(path)
     config_path = os.path.join(path, "tokenizer_config.json")
@@ -94,4 +99,13 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
             tokenizer_class = json.load(f).get("tokenizer_class")
     if tokenizer_class == "PreTrainedTokenizerFast":
         return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    check_remote_code(path, trust_remote_code, flag=flag)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except ValueError as err:
+        if "trust_remote_code" not in str(err):
+            raise
+        # a custom-code case the check above does not know: transformers' own many-line message, in one line
+        raise TokenizerLoadError(f"the tokenizer in {path!r} needs its own code ({' '.join(str(err).split())[:200]}); "
+                                 f"set {flag} for a tokenizer you trust"
+                                 ) from None

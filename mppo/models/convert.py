@@ -1,7 +1,8 @@
 """`mppo convert`: HF safetensors <-> megatron dist checkpoints, and GGUF -> HF.
 
     mppo convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N --ep N] [--dtype auto|float32|bfloat16|float16]
-    mppo convert mcore-to-hf --ckpt DIR --out DIR [--tp N --pp N --ep N] [--dtype ...]
+                             [--trust-remote-code]
+    mppo convert mcore-to-hf --ckpt DIR --out DIR [--tp N --pp N --ep N] [--dtype ...] [--trust-remote-code]
     mppo convert gguf-to-hf (--gguf FILE | --model smollm2-135m-instruct) --out DIR
 
 mcore-to-hf reads a model checkpoint (`mppo convert hf-to-mcore`) or a worker checkpoint of a training run
@@ -12,6 +13,9 @@ One process (tp = pp = ep = 1), or under torchrun with a world size that is a mu
 expert parallel size of a MoE model, splits its experts over data-parallel ranks). A checkpoint written at one
 TP x PP x EP loads at any other. The output directory is written atomically. Also runnable as
 `python -m mppo.models.convert ...`.
+
+A model whose config or tokenizer needs its own code (mppo.models.remote_code) converts only with
+--trust-remote-code: conversion never runs it, but the output carries it (its `*.py` files), for loaders that will.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import torch.distributed as dist
 from mppo.models.builders import build_gpt_model
 from mppo.models.checkpoint import checkpoint_hf_dir, load_model_checkpoint, save_model_checkpoint
 from mppo.models.hf_config import HFModelArgs, hf_dtype, read_hf_config
+from mppo.models.remote_code import check_remote_code
 from mppo.models.spec import TRANSFORMER_IMPLS
 from mppo.models.weights import iter_hf_weights, load_hf_weights, save_hf_checkpoint
 from mppo.errors import UserError
@@ -49,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="parameter dtype (auto: the dtype in config.json, else float32)")
         p.add_argument("--transformer-impl", default="auto", choices=TRANSFORMER_IMPLS)
         p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+        p.add_argument("--trust-remote-code", action="store_true",
+                       help="convert a model whose config or tokenizer ships its own Python code (auto_map)")
     gguf = sub.add_parser("gguf-to-hf", help="dequantize a GGUF model to an fp32 HF model directory")
     source = gguf.add_mutually_exclusive_group(required=True)
     source.add_argument("--gguf", type=Path, help="a local .gguf file")
@@ -79,9 +86,10 @@ def _dtype(choice: str, args: HFModelArgs) -> torch.dtype:
 
 
 def hf_to_mcore(hf_dir: Path, out: Path, *, tp: int, pp: int, ep: int = 1, dtype: str = "auto",
-                transformer_impl: str = "auto", overwrite: bool = False) -> None:
+                transformer_impl: str = "auto", overwrite: bool = False, trust_remote_code: bool = False) -> None:
     """Read an HF model into TP x PP (x EP) shards and save it as an mppo model checkpoint (collective)."""
     args = read_hf_config(hf_dir)
+    check_remote_code(hf_dir, trust_remote_code, flag="--trust-remote-code")
     dims = init_distributed(tp, pp, ep=ep)
     chunks = build_gpt_model(args, dims, dtype=_dtype(dtype, args), transformer_impl=transformer_impl)
     load_hf_weights(chunks, hf_dir, args)
@@ -89,10 +97,11 @@ def hf_to_mcore(hf_dir: Path, out: Path, *, tp: int, pp: int, ep: int = 1, dtype
 
 
 def mcore_to_hf(ckpt: Path, out: Path, *, tp: int, pp: int, ep: int = 1, dtype: str = "auto",
-                transformer_impl: str = "auto", overwrite: bool = False) -> None:
+                transformer_impl: str = "auto", overwrite: bool = False, trust_remote_code: bool = False) -> None:
     """Load an mppo model checkpoint at TP x PP (x EP) and write HF safetensors + config + tokenizer (collective)."""
     hf_meta = checkpoint_hf_dir(ckpt)
     args = read_hf_config(hf_meta)
+    check_remote_code(hf_meta, trust_remote_code, flag="--trust-remote-code")
     dims = init_distributed(tp, pp, ep=ep)
     torch_dtype = _dtype(dtype, args)
     chunks = build_gpt_model(args, dims, dtype=torch_dtype, transformer_impl=transformer_impl)
@@ -108,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         return gguf_main(opts)
     owns_process_group = not dist.is_initialized()
     kwargs = dict(tp=opts.tp, pp=opts.pp, ep=opts.ep, dtype=opts.dtype, transformer_impl=opts.transformer_impl,
-                  overwrite=opts.overwrite)
+                  overwrite=opts.overwrite, trust_remote_code=opts.trust_remote_code)
     rank0 = True
     try:
         if opts.direction == "hf-to-mcore":

@@ -159,8 +159,10 @@ def read_hf_config(source: str | Path | dict[str, Any]) -> HFModelArgs:
         cfg = json.loads(path.read_text())
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        # mppo builds its own models: a checkpoint's modelling code (auto_map) cannot add an architecture
+        code = " (its auto_map code is not run: mppo builds its own models)" if cfg.get("auto_map") else ""
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported{code}; supported model types: "
+                                    f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {cfg['hidden_act']!r} is not supported (SwiGLU with silu only)")
     if model_type in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window"):
@@ -200,6 +202,18 @@ def read_hf_config(source: str | Path | dict[str, Any]) -> HFModelArgs:
         attention_dropout=float(cfg.get("attention_dropout") or 0.0),
         hidden_dropout=float(cfg.get("hidden_dropout") or 0.0),
     )
+
+
+def load_transformers_config(model_dir: str | Path, trust_remote_code: bool = False) -> Any:
+    """transformers' config object of an HF model directory (the CPU engine builds on it), never downloading; with
+    the checkpoint's own code only under `trust_remote_code` (mppo.models.remote_code: without it, a config that
+    needs its code stops in one line)."""
+    from transformers import AutoConfig
+
+    from mppo.models.remote_code import check_remote_code
+
+    check_remote_code(model_dir, trust_remote_code)
+    return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code, local_files_only=True)
 
 
 def transformer_config_kwargs(args: HFModelArgs) -> dict[str, Any]:

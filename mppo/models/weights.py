@@ -157,7 +157,7 @@ def save_hf_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], out_di
 def write_hf_metadata(out_dir: Path, args: HFModelArgs, tokenizer_dir: str | Path | None,
                       dtype: torch.dtype | None = None) -> None:
     """config.json (as read from the source; with `dtype`, stating that weight dtype) and the tokenizer files
-    that exist in `tokenizer_dir`."""
+    that exist in `tokenizer_dir`, with the checkpoint's own code files when it has an auto_map."""
     import shutil
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -167,9 +167,13 @@ def write_hf_metadata(out_dir: Path, args: HFModelArgs, tokenizer_dir: str | Pat
         config[key] = str(dtype).removeprefix("torch.")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer_dir is not None:
+        from mppo.models.remote_code import custom_code_files
+
         for name in TOKENIZER_FILES:
             if (Path(tokenizer_dir) / name).is_file():
                 shutil.copy2(Path(tokenizer_dir) / name, out_dir / name)
+        for source in custom_code_files(tokenizer_dir):  # config.json's auto_map, kept above, names these files
+            shutil.copy2(source, out_dir / source.name)
 
 
 def _finish_hf_dir(tmp: Path, shard_files: list[tuple[str, list[str]]], total: int, args: HFModelArgs,

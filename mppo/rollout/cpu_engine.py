@@ -37,13 +37,16 @@ class CPURolloutEngine(RolloutEngine):
     """Rollout on CPU in float32. Build it from an HF config (e.g. `transformers.AutoConfig.from_pretrained(dir)`).
 
     `record_routed_experts`: every response also carries the experts each MoE layer chose for each token
-    (`RolloutResponse.routed_experts`), for the actor's routing replay (actor.router_replay.mode=R3)."""
+    (`RolloutResponse.routed_experts`), for the actor's routing replay (actor.router_replay.mode=R3).
+    `trust_remote_code`: the parameter container may be the checkpoint's own class (its config's auto_map); the
+    forward is this engine's either way."""
 
-    def __init__(self, hf_config: PretrainedConfig, *, record_routed_experts: bool = False) -> None:
+    def __init__(self, hf_config: PretrainedConfig, *, record_routed_experts: bool = False,
+                 trust_remote_code: bool = False) -> None:
         super().__init__()
         check_supported(hf_config)
         self._config = hf_config
-        self._model = _build_unloaded_model(hf_config)
+        self._model = _build_unloaded_model(hf_config, trust_remote_code)
         self._runner = PackedCausalLM(self._model)
         if record_routed_experts and not self._runner.moe_layers:
             raise ValueError(f"recording routed experts needs a MoE model; this {hf_config.model_type} model has no "
@@ -197,7 +200,7 @@ def _expert_pieces(model: torch.nn.Module) -> dict[str, tuple[str, int, slice]]:
     return pieces
 
 
-def _build_unloaded_model(hf_config: PretrainedConfig) -> torch.nn.Module:
+def _build_unloaded_model(hf_config: PretrainedConfig, trust_remote_code: bool = False) -> torch.nn.Module:
     """The HF model in float32 with allocated but uninitialised weights (no random init, no global RNG use).
 
     Built on the meta device, then each parameter gets real storage; parameters shared by several modules
@@ -205,7 +208,7 @@ def _build_unloaded_model(hf_config: PretrainedConfig) -> torch.nn.Module:
     supported architectures, is rebuilt from the config so its inv_freq holds real values.
     """
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     materialised: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):

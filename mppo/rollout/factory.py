@@ -202,12 +202,13 @@ class EngineSpec:
 
 
 def _cpu_engine(spec: EngineSpec) -> RolloutEngine:
-    from transformers import AutoConfig
-
+    from mppo.models.hf_config import load_transformers_config
     from mppo.rollout.cpu_engine import CPURolloutEngine
 
-    return CPURolloutEngine(AutoConfig.from_pretrained(spec.cfg.actor_rollout_ref.model.path),
-                            record_routed_experts=spec.cfg.actor_rollout_ref.actor.router_replay.mode == "R3")
+    model = spec.cfg.actor_rollout_ref.model
+    return CPURolloutEngine(load_transformers_config(model.path, model.trust_remote_code),
+                            record_routed_experts=spec.cfg.actor_rollout_ref.actor.router_replay.mode == "R3",
+                            trust_remote_code=model.trust_remote_code)
 
 
 def _sglang_engine(spec: EngineSpec) -> RolloutEngine:
@@ -232,7 +233,8 @@ def _sglang_engine(spec: EngineSpec) -> RolloutEngine:
         base_gpu_id=layout.base_gpu_id if base_gpu_id is None else base_gpu_id,
         seed=engine_seed(cfg.trainer.seed, layout.group_index), on_cpu=on_cpu, max_total_tokens=max_total_tokens,
         log_path=spec.log_dir / f"sglang_group{layout.group_index}.log", name=name,
-        return_routed_experts=cfg.actor_rollout_ref.actor.router_replay.mode == "R3")
+        return_routed_experts=cfg.actor_rollout_ref.actor.router_replay.mode == "R3",
+        trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
 
 
 def engine_seed(run_seed: int, group_index: int) -> int:

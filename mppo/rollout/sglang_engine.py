@@ -114,6 +114,7 @@ class SGLangRolloutEngine(RolloutEngine):
         log_path: Path | None = None,
         name: str = "the rollout engine",
         return_routed_experts: bool = False,
+        trust_remote_code: bool = False,
     ) -> None:
         super().__init__()
         # the routed experts' layout (read before SGLang starts: a dense model fails here, in one line)
@@ -132,6 +133,7 @@ class SGLangRolloutEngine(RolloutEngine):
             on_cpu=on_cpu,
             max_total_tokens=max_total_tokens,
             return_routed_experts=return_routed_experts,
+            trust_remote_code=trust_remote_code,
         )
         # The sglang.Engine on the driver (and the processes it started); None on the other ranks of the group.
         self._started = self._on_driver(

@@ -140,8 +140,10 @@ def engine_server_args(
     on_cpu: bool = False,
     max_total_tokens: int | None = None,
     return_routed_experts: bool = False,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
-    """Keyword arguments for sglang.Engine. `model_path` is an HF directory; only its config is read.
+    """Keyword arguments for sglang.Engine. `model_path` is an HF directory; only its config is read (with the
+    checkpoint's own config code under `trust_remote_code`: actor_rollout_ref.model.trust_remote_code).
 
     `on_cpu`: SGLang's CPU tier (mppo.rollout.sglang_cpu.CPU_SERVER_ARGS replace the memory saver and deterministic
     inference). `max_total_tokens` caps the KV pool (on the CPU the pool is host memory; None: SGLang sizes it from
@@ -174,6 +176,7 @@ def engine_server_args(
         # A co-located engine idles through every training phase; without this its scheduler busy-polls a core
         # (which the trainer needs). It sleeps in a zmq poll that a new request ends at once.
         "sleep_on_idle": True,
+        "trust_remote_code": trust_remote_code,
         **fixed,
     }
     args.update(extra)

@@ -108,7 +108,8 @@ class RunData:
 def build_data(cfg: MppoConfig) -> RunData:
     model_path = require_path(cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path",
                               "give an HF model directory (config.json + safetensors)")
-    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.tokenizer_path or model_path)
+    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.tokenizer_path or model_path,
+                               trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # veRL does the same for tokenizers without a pad token
     check_vocab(tokenizer, model_path, "actor_rollout_ref.model.path")
