@@ -606,9 +606,14 @@ def test_suspicious_settings_warn():
         load("actor_rollout_ref.rollout.val_kwargs.n=4")
     with pytest.warns(ConfigWarning, match="only applies with algorithm.rollout_correction.bypass_mode=true"):
         load("algorithm.rollout_correction.loss_type=reinforce")
+    for key, value in (("seed", 7), ("use_distributed_optimizer", "false"), ("optimizer_offload", "true")):
+        with pytest.warns(ConfigWarning, match=f"actor_rollout_ref.ref.megatron.{key} = .* does nothing: the "
+                                               "reference policy never trains"):
+            load(f"actor_rollout_ref.ref.megatron.{key}={value}")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load()  # the defaults are quiet
+        load("actor_rollout_ref.actor.megatron.seed=7")  # the ref's null follows the actor's
 
 
 def test_validate_accepts_a_hand_built_config():

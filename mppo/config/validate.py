@@ -163,6 +163,20 @@ def check_shared_layout(cfg: MppoConfig) -> None:
                                   f"{getattr(actor, key)}; mppo runs all models on one layout: leave it null")
 
 
+# MegatronConfig keys the reference shares with the trainable roles but has no use for: it has no optimizer, and
+# the model-parallel RNG (init, dropout) is seeded once per process, from the actor's seed.
+REF_INERT_KEYS = ("seed", "use_distributed_optimizer", "optimizer_offload")
+
+
+def _warn_inert_ref_keys(cfg: MppoConfig) -> None:
+    actor, ref = cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.ref.megatron
+    for key in REF_INERT_KEYS:
+        if getattr(ref, key) != getattr(actor, key):  # resolved: it differs only when set
+            warnings.warn(f"{REF}.megatron.{key} = {show(getattr(ref, key))} does nothing: the reference policy never "
+                          "trains (no optimizer; the model-parallel RNG is seeded from the actor's seed); leave it "
+                          "null", ConfigWarning, 3)
+
+
 def _data_parallel_size(cfg: MppoConfig, role: str, world: int, world_text: str) -> int:
     """DP of `role` after checking that its TP x PP layout fits the world and EP divides DP."""
     m = f"{role}.megatron"
@@ -482,6 +496,7 @@ def validate(cfg: MppoConfig, world_size: int | None = None) -> None:
     _check_rollout_correction(cfg)
     world, world_text = _world(cfg, world_size)
     _check_rollout_layout(cfg)
+    _warn_inert_ref_keys(cfg)
     actor_dp = _data_parallel_size(cfg, ACTOR, world, world_text)
     _check_batches(cfg, ACTOR, actor_dp)
     _check_dynamic_sampling(cfg, actor_dp)
