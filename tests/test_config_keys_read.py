@@ -11,16 +11,17 @@ config values the way the code passes them around, as schema paths:
 - `x.field` of a known section is the child path; a local or `self.` attribute assigned from a known value holds it
   (flow-insensitive: every assignment in the function or class counts), as do `getattr(x, "field")` (also over a
   loop of constant names) and `get_key(cfg, "dotted.key")` (f-strings with module string constants resolved);
-- an attribute chain over an unknown value still counts when its last two or more names are the end of exactly
-  the schema paths it names (`anything.kl_ctrl.kl_coef`), because much of the code receives sections untyped.
+- an attribute chain over an unknown value still counts when its last two or more names end schema paths
+  (`anything.kl_ctrl.kl_coef`), because much of the code receives sections untyped.
 
-The reading of mppo/config itself does not count: the schema, loader, resolution and validation read every key
-generically (defaults, overrides, choices), so a key that only they read changes nothing. Neither does a generic
-walk of the whole config (`dataclasses.asdict`, as the resume check does). The scan over-approximates in one way:
-a class used at several paths (OptimConfig, MegatronConfig) counts a field read through a function typed with it
-as read at all of those paths.
+The reading in mppo/config's machinery does not count: the schema, loader and resolution touch every key
+generically (defaults, overrides), and validation only accepts or refuses values, so a key that only they read
+changes nothing in a run. Neither does a generic walk of the whole config (`dataclasses.asdict`, as the resume
+check does). The scan over-approximates where the code is generic: a field read through a function typed with a
+class used at several paths (OptimConfig, MegatronConfig), or through an untyped chain whose tail ends several
+paths (`x.optim.lr`), counts as read at each of them. It fails on a key nothing reads at all, the defect it is for.
 
-ALLOWLIST names each key the scan cannot see read, with why it is read all the same.
+ALLOWLIST names each key that nothing reads and why that is acceptable (test_allowlist_is_needed keeps it current).
 """
 from __future__ import annotations
 

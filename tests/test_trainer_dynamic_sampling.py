@@ -84,7 +84,8 @@ def _kept_by_sampler(metric: str, returns: str) -> set[int]:
                              "data.train_batch_size=5", "data.gen_batch_size=5", "algorithm.filter_groups.enable=true",
                              f"algorithm.filter_groups.metric={metric}", "reward.custom_fn.path=fn.py",
                              "data.max_response_length=8", "reward.reward_kwargs.overlong_buffer_cfg.enable=true",
-                             "reward.reward_kwargs.overlong_buffer_cfg.len=4", "actor_rollout_ref.actor.ppo_mini_batch_size=5",
+                             "reward.reward_kwargs.overlong_buffer_cfg.len=4",
+                             "actor_rollout_ref.actor.ppo_mini_batch_size=5",
                              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "trainer.n_gpus_per_node=1",
                              "actor_rollout_ref.rollout.tensor_model_parallel_size=1"], world_size=1)
 
@@ -163,8 +164,9 @@ def test_uniform_groups_are_filtered_refilled_and_resume_is_exact(assets, tmp_pa
 
 def test_generation_limit_fills_the_batch_with_a_warning(assets, tmp_path):
     run = tmp_path / "limited"
+    # metric=acc: the function returns numbers, which are acc (the extra info path of a real run; same groups)
     proc = train(1, overrides(assets, run, 1, "algorithm.filter_groups.max_num_gen_batches=1",
-                              "trainer.n_gpus_per_node=1"))
+                              "trainer.n_gpus_per_node=1", "algorithm.filter_groups.metric=acc"))
     m = step_metrics(run)[1]
     assert m["train/num_gen_batches"] == 1 and m["train/filter_groups/filled_groups"] > 0
     assert m["train/filter_groups/kept_groups"] + m["train/filter_groups/filled_groups"] == 8
