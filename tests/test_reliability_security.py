@@ -119,19 +119,20 @@ def _hostile(step: Path, case: str, marker: Path) -> str:
     """Put code where a reader would unpickle it (or, `unlisted_file`, just an extra file); return the regex the
     refusal must match: the file's path and why."""
     model, code = step / "actor" / "model", pickle.dumps(_Payload(marker))
+    at_model, at_step = re.escape(str(model)), re.escape(str(step))
     if case == "unlisted_metadata":  # the reported attack: .metadata dropped from the manifest, then replaced
         _unlist(step, "actor/model/.metadata")
         (model / ".metadata").write_bytes(code)
-        return rf"{model}/\.metadata: not listed in the manifest"
+        return rf"{at_model}/\.metadata: not listed in the manifest"
     if case == "unlisted_file":
         (model / "notes.txt").write_text("harmless, but nobody vouched for it")
-        return rf"{model}/notes\.txt: not listed in the manifest"
+        return rf"{at_model}/notes\.txt: not listed in the manifest"
     if case == "symlinked_metadata":  # hashed through the link; a loader could be shown another file
         (step.parent / "elsewhere").write_bytes(code)
         (model / ".metadata").unlink()
         (model / ".metadata").symlink_to(step.parent / "elsewhere")
         _rewrite_manifest(step)
-        return rf"{model}/\.metadata: not a regular file"
+        return rf"{at_model}/\.metadata: not a regular file"
     if case == "listed_metadata":
         (model / ".metadata").write_bytes(code)
     elif case == "rank_metadata":  # torch falls back to __<rank>.metadata when .metadata does not load
@@ -141,11 +142,14 @@ def _hostile(step: Path, case: str, marker: Path) -> str:
         torch.save({"common": _Payload(marker)}, model / "common.pt")
     elif case == "trainer_state_pt":
         torch.save({"rng": _Payload(marker)}, step / "trainer_state.pt")
+    elif case == "unnamed_pickle":  # no .pt suffix: a loader that torch.loads it is caught by its first bytes
+        torch.save({"rng": _Payload(marker)}, step / "actor" / "rng_state")
     _rewrite_manifest(step)
-    return {"listed_metadata": rf"{model}/\.metadata: refused to unpickle \(UnpicklingError: it references posix\.system",
-            "rank_metadata": rf"{model}/__0\.metadata: refused to unpickle \(UnpicklingError",
-            "common_pt": rf"{model}/common\.pt: refused to unpickle",
-            "trainer_state_pt": rf"{step}/trainer_state\.pt: refused to unpickle"}[case]
+    return {"listed_metadata": rf"{at_model}/\.metadata: refused to unpickle \(UnpicklingError: it references posix",
+            "rank_metadata": rf"{at_model}/__0\.metadata: refused to unpickle \(UnpicklingError",
+            "common_pt": rf"{at_model}/common\.pt: refused to unpickle",
+            "trainer_state_pt": rf"{at_step}/trainer_state\.pt: refused to unpickle",
+            "unnamed_pickle": rf"{at_step}/actor/rng_state: refused to unpickle"}[case]
 
 
 def _resume_reads(manager: CheckpointManager) -> int:
@@ -159,14 +163,15 @@ def _resume_reads(manager: CheckpointManager) -> int:
 
 
 @pytest.mark.parametrize("case", ["unlisted_metadata", "unlisted_file", "symlinked_metadata", "listed_metadata",
-                                  "rank_metadata", "byte_entry", "common_pt", "trainer_state_pt"])
+                                  "rank_metadata", "byte_entry", "common_pt", "trainer_state_pt", "unnamed_pickle"])
 def test_a_hostile_checkpoint_is_refused_naming_the_file_and_resume_falls_back(tmp_path, caplog, case):
     manager, marker = _manager(tmp_path), tmp_path / "pwned"
     good = _save_dcp(manager, 1, {"fp8_meta": None, "scale": torch.ones(2)})  # plain data: accepted
     assert manager.verify(good)["step"] == 1
     if case == "byte_entry":  # torch.distributed.checkpoint would torch.load it with weights_only=False
         step = _save_dcp(manager, 2, _Payload(marker))
-        refusal = rf"{step}/actor/model/__0_0\.distcp: entry extra_state \(named in .*\.metadata\): refused to unpickle"
+        refusal = (rf"{re.escape(str(step))}/actor/model/__0_0\.distcp: entry extra_state \(named in .*\.metadata\): "
+                   "refused to unpickle")
     else:
         step = _save_dcp(manager, 2, {"fp8_meta": None})
         refusal = _hostile(step, case, marker)
@@ -181,9 +186,9 @@ def test_a_hostile_checkpoint_is_refused_naming_the_file_and_resume_falls_back(t
 def test_model_loaders_and_convert_vet_before_loading(tmp_path, capsys):
     """`mppo convert mcore-to-hf`, load_model_checkpoint and load_worker_checkpoint stop with one line naming the
     file, before megatron's loader (or the model build) starts."""
+    from mppo.errors import UserError
     from mppo.models import convert
     from mppo.models.checkpoint import load_model_checkpoint
-    from mppo.models.pickle_vetting import UnsafeCheckpointError
     from mppo.workers.worker_checkpoint import load_worker_checkpoint
 
     marker, ckpt = tmp_path / "pwned", tmp_path / "ckpt"
@@ -193,15 +198,16 @@ def test_model_loaders_and_convert_vet_before_loading(tmp_path, capsys):
     torch.save({"common": torch.ones(1)}, ckpt / "model" / "common.pt")  # writes them; both pass the vetting
     (ckpt / "hf").mkdir()
     (ckpt / "hf" / "config.json").write_text("{}")
-    entry = rf"{ckpt}/model/__0_0\.distcp: entry extra_state \(named in {ckpt}/model/\.metadata\): refused to unpickle"
+    at = re.escape(str(ckpt))
+    entry = rf"{at}/model/__0_0\.distcp: entry extra_state \(named in {at}/model/\.metadata\): refused to unpickle"
     for load in (load_model_checkpoint, load_worker_checkpoint):
-        with pytest.raises(UnsafeCheckpointError, match=entry):
+        with pytest.raises(UserError, match=entry):  # a mistake the user can fix: one line, exit 2
             load([], ckpt)
 
     (ckpt / "model" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
     assert convert.main(["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and re.match(rf"mppo convert: error: {ckpt}/model/\.metadata: refused to unpickle "
+    assert err.count("\n") == 1 and re.match(rf"mppo convert: error: {at}/model/\.metadata: refused to unpickle "
                                              r"\(UnpicklingError: it references posix\.system", err), err
     assert not marker.exists() and not (tmp_path / "out").exists()
 

@@ -29,6 +29,8 @@ from mppo.errors import UserError
 _ADVICE = "only load checkpoints written by mppo from a trusted place"
 # How a pickle (protocol 2+) or a torch.save zip archive starts.
 _PICKLE_MAGIC, _ZIP_MAGIC = b"\x80", b"PK\x03\x04"
+# Binary formats that hold no pickle but may start with those bytes (a .distcp's first entry is a torch archive).
+_NO_PICKLE_SUFFIXES = (".distcp", ".safetensors")
 
 
 class UnsafeCheckpointError(UserError, ValueError):
@@ -81,7 +83,7 @@ def vet_file(file: Path) -> None:
             with file.open("rb") as f:
                 metadata = _MetadataUnpickler(f).load()
             _vet_entries(file, metadata)
-        elif file.suffix == ".pt" or (file.suffix != ".distcp" and _opens_like_a_pickle(file)):
+        elif file.suffix == ".pt" or (file.suffix not in _NO_PICKLE_SUFFIXES and _opens_like_a_pickle(file)):
             torch.load(file, map_location="cpu", weights_only=True)
     except UnsafeCheckpointError:
         raise
