@@ -175,7 +175,8 @@ def test_trainer_state_offload_frees_and_restores_bitwise(launch):
 
 
 def test_engine_start_failure_is_one_line_and_keeps_the_checkpoint(tmp_path):
-    """A resumed run whose engine cannot start (gpu_memory_utilization too small for SGLang's KV cache: its
+    """The first run's console has mppo's INFO lines from after SGLang started (it reconfigures the root logger).
+    A resumed run whose engine cannot start (gpu_memory_utilization too small for SGLang's KV cache: its
     scheduler process fails) stops with exit code 2 and one error line naming SGLang's failure and its log, with
     no traceback; the checkpoint the first run wrote is untouched."""
     import hashlib
@@ -199,6 +200,13 @@ def test_engine_start_failure_is_one_line_and_keeps_the_checkpoint(tmp_path):
 
     first = train([])
     assert first.returncode == 0, first.stderr[-4000:]
+    # SGLang's start reconfigures the root logger (force=True, at log_level error): mppo's INFO lines from after it,
+    # the engine's own line and the last step's checkpoint, still reach the console, and SGLang logs to its file
+    console = first.stderr.splitlines()
+    started = [i for i, ln in enumerate(console) if "INFO rollout: 1 sglang engine(s) of TP 1" in ln]
+    written = [i for i, ln in enumerate(console) if "INFO checkpoint written: " in ln]
+    assert started and written and started[0] < written[-1], first.stderr[-4000:]
+    assert (run / "rollout" / "sglang_group0.log").is_file()
     before = snapshot()
     assert "checkpoints/global_step_1/manifest.json" in before
     failed = train(["actor_rollout_ref.rollout.gpu_memory_utilization=0.000001"])
