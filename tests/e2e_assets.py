@@ -96,7 +96,8 @@ def make_tool_policy(root: Path, *, margin: float = 24.0, noise: float = 25.0) -
     head[:, 4:] *= noise
     embed[trigger, 0] = embed[start, 1] = embed[body_a, 2] = embed[body_b, 2] = 1.0
     head[start, 0] = head[body_a, 1] = head[body_b, 1] = head[end, 2] = link
-    embed[[t for t in range(embed.shape[0]) if t not in chain], 3] = 0.1  # free text: the chain's tokens never
+    # after any other token the chain's tokens are 3 margins down: no second call, no stray </tool_call>
+    embed[[t for t in range(embed.shape[0]) if t not in chain], 3] = 0.1
     head[chain, 3] = -3.0 * link
     for name, tensor in weights.items():
         if name.endswith(("o_proj.weight", "down_proj.weight")):

@@ -6,6 +6,7 @@ Llama: SGLang's Llama can return its weights (get_weights_by_name), its Qwen2 ca
 needs that. The same launch then serves a random tiny Qwen3-MoE (two new engines, which return their routed experts)
 to GRPO at EP2 with routing replay (R3), 2 steps; SGLang's Qwen3-MoE has no get_weights_by_name either, so what
 reaches its engine is checked through HF transformers loading the exporter's tensors (log-probs and routes).
+Between them, one multi-turn GRPO step with the calculator tool runs on the Llama engines (a policy made to call it).
 """
 from __future__ import annotations
 
