@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import ast
 import builtins
+import hashlib
 import json
 import os
+import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -96,43 +99,117 @@ def _save_dcp(manager: CheckpointManager, step: int, extra) -> Path:
     return manager.save(step, {"actor": write}, {"step": step})
 
 
-def test_checkpoint_pickles_are_vetted_before_anything_unpickles_them(tmp_path):
+def _rewrite_manifest(step_dir: Path) -> None:
+    """What an attacker who can write the directory does: list every file (through symlinks) with its checksum."""
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest["files"] = {str(f.relative_to(step_dir)): {"size": f.stat().st_size,
+                                                        "blake2b": hashlib.blake2b(f.read_bytes(), digest_size=16)
+                                                        .hexdigest()}
+                         for f in step_dir.rglob("*") if f.is_file() and f.name != "manifest.json"}
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _unlist(step_dir: Path, rel: str) -> None:
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    del manifest["files"][rel]
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _hostile(step: Path, case: str, marker: Path) -> str:
+    """Put code where a reader would unpickle it (or, `unlisted_file`, just an extra file); return the regex the
+    refusal must match: the file's path and why."""
+    model, code = step / "actor" / "model", pickle.dumps(_Payload(marker))
+    at_model, at_step = re.escape(str(model)), re.escape(str(step))
+    if case == "unlisted_metadata":  # the reported attack: .metadata dropped from the manifest, then replaced
+        _unlist(step, "actor/model/.metadata")
+        (model / ".metadata").write_bytes(code)
+        return rf"{at_model}/\.metadata: not listed in the manifest"
+    if case == "unlisted_file":
+        (model / "notes.txt").write_text("harmless, but nobody vouched for it")
+        return rf"{at_model}/notes\.txt: not listed in the manifest"
+    if case == "symlinked_metadata":  # hashed through the link; a loader could be shown another file
+        (step.parent / "elsewhere").write_bytes(code)
+        (model / ".metadata").unlink()
+        (model / ".metadata").symlink_to(step.parent / "elsewhere")
+        _rewrite_manifest(step)
+        return rf"{at_model}/\.metadata: not a regular file"
+    if case == "listed_metadata":
+        (model / ".metadata").write_bytes(code)
+    elif case == "rank_metadata":  # torch falls back to __<rank>.metadata when .metadata does not load
+        (model / ".metadata").unlink()
+        (model / "__0.metadata").write_bytes(code)
+    elif case == "common_pt":  # megatron's common state
+        torch.save({"common": _Payload(marker)}, model / "common.pt")
+    elif case == "trainer_state_pt":
+        torch.save({"rng": _Payload(marker)}, step / "trainer_state.pt")
+    elif case == "unnamed_pickle":  # no .pt suffix: a loader that torch.loads it is caught by its first bytes
+        torch.save({"rng": _Payload(marker)}, step / "actor" / "rng_state")
+    _rewrite_manifest(step)
+    return {"listed_metadata": rf"{at_model}/\.metadata: refused to unpickle \(UnpicklingError: it references posix",
+            "rank_metadata": rf"{at_model}/__0\.metadata: refused to unpickle \(UnpicklingError",
+            "common_pt": rf"{at_model}/common\.pt: refused to unpickle",
+            "trainer_state_pt": rf"{at_step}/trainer_state\.pt: refused to unpickle",
+            "unnamed_pickle": rf"{at_step}/actor/rng_state: refused to unpickle"}[case]
+
+
+def _resume_reads(manager: CheckpointManager) -> int:
+    """What a resume does: take the step latest() picks, then read its model with torch.distributed.checkpoint's
+    loader (megatron's dist_checkpointing calls the same reader). Returns the step."""
+    info = manager.latest()
+    state = {"weight": torch.zeros(4), "extra_state": {"fp8_meta": "unread", "scale": torch.zeros(2)}}
+    dcp.load(state, checkpoint_id=info.path / "actor" / "model", no_dist=True)
+    assert torch.equal(state["weight"], torch.arange(4.0)) and state["extra_state"]["fp8_meta"] is None
+    return info.step
+
+
+@pytest.mark.parametrize("case", ["unlisted_metadata", "unlisted_file", "symlinked_metadata", "listed_metadata",
+                                  "rank_metadata", "byte_entry", "common_pt", "trainer_state_pt", "unnamed_pickle"])
+def test_a_hostile_checkpoint_is_refused_naming_the_file_and_resume_falls_back(tmp_path, caplog, case):
     manager, marker = _manager(tmp_path), tmp_path / "pwned"
     good = _save_dcp(manager, 1, {"fp8_meta": None, "scale": torch.ones(2)})  # plain data: accepted
     assert manager.verify(good)["step"] == 1
-
-    # A byte entry (torch.distributed.checkpoint would torch.load it with weights_only=False) holding code.
-    bad_entry = _save_dcp(manager, 2, _Payload(marker))
-    with pytest.raises(CheckpointError, match=r"actor/model/\.metadata: refused to unpickle"):
-        manager.verify(bad_entry)
-
-    # The .metadata pickle itself (read with plain pickle.load by torch.distributed.checkpoint) replaced by code;
-    # the manifest is rewritten to match, as an attacker would.
-    bad_meta = _save_dcp(manager, 3, {"fp8_meta": None})
-    import pickle
-
-    (bad_meta / "actor" / "model" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
-    _rewrite_manifest(bad_meta)
-    with pytest.raises(CheckpointError, match=r"refused to unpickle \(UnpicklingError: it references posix.system"):
-        manager.verify(bad_meta)
-
-    # A *.pt file (megatron's common.pt) holding code.
-    bad_pt = _save_dcp(manager, 4, {"fp8_meta": None})
-    torch.save({"common": _Payload(marker)}, bad_pt / "actor" / "model" / "common.pt")
-    _rewrite_manifest(bad_pt)
-    with pytest.raises(CheckpointError, match=r"common\.pt: refused to unpickle"):
-        manager.verify(bad_pt)
-
-    assert not marker.exists()  # nothing ran
-    assert manager.latest().step == 1  # and the run would resume from the good one, reporting the others
+    if case == "byte_entry":  # torch.distributed.checkpoint would torch.load it with weights_only=False
+        step = _save_dcp(manager, 2, _Payload(marker))
+        refusal = (rf"{re.escape(str(step))}/actor/model/__0_0\.distcp: entry extra_state \(named in .*\.metadata\): "
+                   "refused to unpickle")
+    else:
+        step = _save_dcp(manager, 2, {"fp8_meta": None})
+        refusal = _hostile(step, case, marker)
+    with pytest.raises(CheckpointError, match=refusal):
+        manager.verify(step)
+    with caplog.at_level("WARNING", logger="mppo"):
+        assert _resume_reads(manager) == 1  # the run resumes from the older good step...
+    assert re.search("skipping checkpoint " + refusal, caplog.text)  # ...saying which file it refused
+    assert not marker.exists()  # and nothing ran
 
 
-def _rewrite_manifest(step_dir: Path) -> None:
-    from mppo.trainer.checkpoint import MANIFEST, _inventory
+def test_model_loaders_and_convert_vet_before_loading(tmp_path, capsys):
+    """`mppo convert mcore-to-hf`, load_model_checkpoint and load_worker_checkpoint stop with one line naming the
+    file, before megatron's loader (or the model build) starts."""
+    from mppo.errors import UserError
+    from mppo.models import convert
+    from mppo.models.checkpoint import load_model_checkpoint
+    from mppo.workers.worker_checkpoint import load_worker_checkpoint
 
-    manifest = json.loads((step_dir / MANIFEST).read_text())
-    manifest["files"] = _inventory(step_dir)
-    (step_dir / MANIFEST).write_text(json.dumps(manifest))
+    marker, ckpt = tmp_path / "pwned", tmp_path / "ckpt"
+    dcp.save({"weight": torch.arange(4.0), "extra_state": _Payload(marker)}, checkpoint_id=ckpt / "model",
+             no_dist=True)
+    (ckpt / "model" / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))  # as megatron
+    torch.save({"common": torch.ones(1)}, ckpt / "model" / "common.pt")  # writes them; both pass the vetting
+    (ckpt / "hf").mkdir()
+    (ckpt / "hf" / "config.json").write_text("{}")
+    at = re.escape(str(ckpt))
+    entry = rf"{at}/model/__0_0\.distcp: entry extra_state \(named in {at}/model/\.metadata\): refused to unpickle"
+    for load in (load_model_checkpoint, load_worker_checkpoint):
+        with pytest.raises(UserError, match=entry):  # a mistake the user can fix: one line, exit 2
+            load([], ckpt)
+
+    (ckpt / "model" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    assert convert.main(["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.match(rf"mppo convert: error: {at}/model/\.metadata: refused to unpickle "
+                                             r"\(UnpicklingError: it references posix\.system", err), err
+    assert not marker.exists() and not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------------------------------------- rewards

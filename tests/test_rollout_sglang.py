@@ -518,3 +518,46 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     _group_main(parser.parse_args().out)
+
+
+def test_engine_start_keeps_the_trainers_logging_and_sends_sglangs_to_its_log(tmp_path):
+    """SGLang 0.5.23's Engine runs configure_logger in the trainer's process: basicConfig(force=True) at its
+    log_level. After start_engine the root logger has the trainer's handler and level again, and SGLang's loggers
+    of this process write to the engine's log file, not the console (the real engine: tests/test_trainer_sglang.py)."""
+    import logging
+
+    from mppo.rollout.sglang_startup import start_engine
+
+    class ConfiguresLogging:  # what sglang.srt.utils.common.configure_logger does, then a log line of its own
+        def __init__(self, **server_args):
+            logging.basicConfig(level=server_args["log_level"].upper(), format="[sglang] %(message)s", force=True)
+            logging.getLogger("sglang.srt.managers.tokenizer_manager").error("sglang's own line")
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    root, console = logging.getLogger(), Keep()
+    saved = list(root.handlers), root.level
+    root.handlers[:] = [console]
+    root.setLevel(logging.INFO)
+    try:
+        log = tmp_path / "rollout" / "sglang_group0.log"
+        start_engine(ConfiguresLogging, {"log_level": "error"}, log_path=log, what="group 0", on_cpu=False)
+        logging.getLogger("mppo").info("rollout: 1 sglang engine(s)")
+        logging.getLogger("sglang.srt.entrypoints.engine").error("sglang after the start")
+        assert root.handlers == [console] and root.level == logging.INFO
+        assert console.lines == ["rollout: 1 sglang engine(s)"]
+        assert "sglang after the start" in log.read_text()
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+        sglang = logging.getLogger("sglang")
+        for handler in list(sglang.handlers):
+            sglang.removeHandler(handler)
+            handler.close()
+        sglang.propagate, sglang.level = True, logging.NOTSET

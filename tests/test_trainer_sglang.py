@@ -6,6 +6,7 @@ Llama: SGLang's Llama can return its weights (get_weights_by_name), its Qwen2 ca
 needs that. The same launch then serves a random tiny Qwen3-MoE (two new engines, which return their routed experts)
 to GRPO at EP2 with routing replay (R3), 2 steps; SGLang's Qwen3-MoE has no get_weights_by_name either, so what
 reaches its engine is checked through HF transformers loading the exporter's tensors (log-probs and routes).
+Between them, one multi-turn GRPO step with the calculator tool runs on the Llama engines (a policy made to call it).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dist_util import REPO, run_torchrun
-from e2e_assets import dense_reward, make_assets, step_metrics, tiny_overrides
+from e2e_assets import TOOL_TOKENS, dense_reward, make_assets, make_tool_policy, step_metrics, tiny_overrides
 
 SGLANG = ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
           "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=true"]
@@ -36,7 +37,8 @@ GENERATION = (r"resume_memory_occupation\(weights\) begin_weight_update (update_
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("sglang")
-    assets = make_assets(root / "assets", arch="llama")
+    assets = make_assets(root / "assets", arch="llama", tool_tokens=True)
+    tool_model = make_tool_policy(assets)
     runs = root / "runs"
     common = dense_reward(assets) + SGLANG
     cases = {
@@ -47,6 +49,11 @@ def launch(tmp_path_factory) -> list[dict]:
         "dp2_grpo": tiny_overrides(assets, runs / "dp2_grpo", world=2, steps=3, estimator="grpo", n=4)
         + common + ["critic.enable=false"],
     }
+    # one multi-turn GRPO step on the same engines: a policy that calls the calculator (same config, own weights)
+    tools = tiny_overrides(assets, runs / "dp2_grpo_tools", world=2, steps=1, estimator="grpo", n=4) + common
+    cases["dp2_grpo_tools"] = [o.replace(f"{assets}/model", str(tool_model)) for o in tools] + [
+        "critic.enable=false", "actor_rollout_ref.rollout.multi_turn.enable=true", "data.max_response_length=32",
+        "trainer.val_before_train=false"]
     moe = make_assets(root / "moe_assets", arch="qwen3_moe")
     cases["ep2_grpo_r3"] = (tiny_overrides(moe, runs / "ep2_grpo_r3", world=2, steps=2, estimator="grpo", n=4)
                             + dense_reward(moe) + SGLANG + MOE_R3)
@@ -55,6 +62,7 @@ def launch(tmp_path_factory) -> list[dict]:
                          timeout=2400)
     for name in cases:
         ranks[0][name]["metrics"] = step_metrics(runs / name)
+    ranks[0]["tool_model"] = str(tool_model)
     return ranks
 
 
@@ -88,6 +96,57 @@ def test_qwen3_moe_sync_reaches_the_engine_and_its_routes_equal_hfs(launch):
 
 
 CASES = ("tp2_ppo", "tp2_grpo", "dp2_ppo", "dp2_grpo")
+
+
+def test_multi_turn_grpo_step_calls_the_calculator_on_sglang(launch):
+    """One multi-turn GRPO step (DP2, n=4) on the real engines with a policy that writes one calculator call
+    (tests/e2e_assets.py's make_tool_policy). Every response is token for token the call, the tool turn the chat
+    template renders for the calculator's real result (written here by hand), then the model's text, and only
+    the tool turn is out of the loss (the engine's log-prob 0 there); the engine's log-probs of the model's tokens
+    equal HF transformers' on the same weights and context (the trainer's actor agrees too); and that agreement
+    would show a context without the tool turn, by far."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mppo.data import load_tokenizer
+
+    tok = load_tokenizer(launch[0]["tool_model"])
+    hf = AutoModelForCausalLM.from_pretrained(launch[0]["tool_model"], dtype=torch.float32).eval()
+    start, body_a, body_b, end = tok.convert_tokens_to_ids(list(TOOL_TOKENS))
+    bodies, worst_hf, worst_actor, worst_without_tool = set(), 0.0, 0.0, 0.0
+
+    def log_probs(prompt: list[int], response: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
+        return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+    for r in launch:
+        rows = r["dp2_grpo_tools"]["tool_rows"]
+        assert len(rows) == 8 * 4 // 2, len(rows)  # this rank's half of 8 prompts x n=4
+        for row in rows:
+            ids, mask = row["response"], row["mask"]
+            result = {body_a: "12", body_b: "7"}[ids[1]]  # calculator("3 * 4"), calculator("3 + 4")
+            bodies.add(ids[1])
+            tool = tok.encode(f"<|im_end|>\n<|im_start|>tool\n{result}<|im_end|>\n<|im_start|>assistant\n",
+                              add_special_tokens=False)
+            k = 3 + len(tool)
+            assert ids[:3] == [start, ids[1], end] and ids[3:k] == tool and len(ids) > k, tok.decode(ids)
+            assert mask == [1] * 3 + [0] * len(tool) + [1] * (len(ids) - k), mask
+            assert row["num_tool_calls"] == 1 and row["rollout_log_probs"][3:k] == [0.0] * len(tool)
+            engine = torch.tensor(row["rollout_log_probs"])
+            model = torch.tensor(mask).bool()
+            worst_hf = max(worst_hf, (log_probs(row["prompt"], ids) - engine)[model].abs().max().item())
+            worst_actor = max(worst_actor, (torch.tensor(row["old_log_probs"]).exp() - engine.exp())[model].abs()
+                              .max().item())
+            without = log_probs(row["prompt"], ids[:3] + ids[k:])[3:]  # the model's text with no tool turn before
+            worst_without_tool = max(worst_without_tool, (without - engine[k:]).abs().max().item())
+    print(f"multi-turn on SGLang ({launch[0]['dp2_grpo_tools']['wall_s']:.0f} s of the launch): |log p| vs HF "
+          f"{worst_hf:.2e}, |p| vs the actor {worst_actor:.2e}, vs HF without the tool turn {worst_without_tool:.2e}")
+    assert bodies == {body_a, body_b}  # both calls were sampled: the tool's results differ, so do the rewards
+    assert worst_hf < 1e-4 and worst_actor < 1e-3 and worst_without_tool > 1e-2
+    m = launch[0]["dp2_grpo_tools"]["metrics"][1]
+    assert m["multi_turn/tool_call_rate"] == 1.0 and m["training/rollout_probs_diff_max"] < 1e-3, m
+    assert m["actor/grad_norm"] > 0, m
 
 
 def test_two_engines_serve_every_layout(launch):
@@ -175,7 +234,8 @@ def test_trainer_state_offload_frees_and_restores_bitwise(launch):
 
 
 def test_engine_start_failure_is_one_line_and_keeps_the_checkpoint(tmp_path):
-    """A resumed run whose engine cannot start (gpu_memory_utilization too small for SGLang's KV cache: its
+    """The first run's console has mppo's INFO lines from after SGLang started (it reconfigures the root logger).
+    A resumed run whose engine cannot start (gpu_memory_utilization too small for SGLang's KV cache: its
     scheduler process fails) stops with exit code 2 and one error line naming SGLang's failure and its log, with
     no traceback; the checkpoint the first run wrote is untouched."""
     import hashlib
@@ -199,6 +259,13 @@ def test_engine_start_failure_is_one_line_and_keeps_the_checkpoint(tmp_path):
 
     first = train([])
     assert first.returncode == 0, first.stderr[-4000:]
+    # SGLang's start reconfigures the root logger (force=True, at log_level error): mppo's INFO lines from after it,
+    # the engine's own line and the last step's checkpoint, still reach the console, and SGLang logs to its file
+    console = first.stderr.splitlines()
+    started = [i for i, ln in enumerate(console) if "INFO rollout: 1 sglang engine(s) of TP 1" in ln]
+    written = [i for i, ln in enumerate(console) if "INFO checkpoint written: " in ln]
+    assert started and written and started[0] < written[-1], first.stderr[-4000:]
+    assert (run / "rollout" / "sglang_group0.log").is_file()
     before = snapshot()
     assert "checkpoints/global_step_1/manifest.json" in before
     failed = train(["actor_rollout_ref.rollout.gpu_memory_utilization=0.000001"])

@@ -18,6 +18,7 @@ from torch import nn
 from mppo.models.atomic import atomic_directory
 from mppo.models.builders import unwrap_model
 from mppo.models.hf_config import HFModelArgs
+from mppo.models.pickle_vetting import vet_checkpoint_dir
 from mppo.models.weights import write_hf_metadata
 
 MODEL_SUBDIR = "model"
@@ -68,12 +69,16 @@ def checkpoint_hf_dir(ckpt_dir: str | Path) -> Path:
 
 
 def load_model_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str | Path) -> None:
-    """Load a dist checkpoint saved at any TP/PP layout into these (already built) chunks (collective)."""
+    """Load a dist checkpoint saved at any TP/PP layout into these (already built) chunks (collective).
+
+    Its pickles are vetted first (`mppo.models.pickle_vetting`): UnsafeCheckpointError names a file that could
+    run code."""
     from megatron.core import dist_checkpointing
 
     model_dir = Path(ckpt_dir) / MODEL_SUBDIR
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{ckpt_dir} is not an mppo model checkpoint: {model_dir} is missing")
+    vet_checkpoint_dir(model_dir)  # dist_checkpointing unpickles .metadata and byte entries with no allowlist
     state = dist_checkpointing.load(model_sharded_state_dict(model_chunks), str(model_dir))
     keys = ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
     for chunk, key in zip(model_chunks, keys):

@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 
 from mppo.models.builders import build_gpt_model
-from mppo.models.checkpoint import checkpoint_hf_dir, load_model_checkpoint, save_model_checkpoint
+from mppo.models.checkpoint import MODEL_SUBDIR, checkpoint_hf_dir, load_model_checkpoint, save_model_checkpoint
 from mppo.models.hf_config import HFModelArgs, hf_dtype, read_hf_config
+from mppo.models.pickle_vetting import vet_checkpoint_dir
 from mppo.models.remote_code import check_remote_code
 from mppo.models.spec import TRANSFORMER_IMPLS
 from mppo.models.weights import iter_hf_weights, load_hf_weights, save_hf_checkpoint
@@ -100,6 +101,7 @@ def mcore_to_hf(ckpt: Path, out: Path, *, tp: int, pp: int, ep: int = 1, dtype: 
                 transformer_impl: str = "auto", overwrite: bool = False, trust_remote_code: bool = False) -> None:
     """Load an mppo model checkpoint at TP x PP (x EP) and write HF safetensors + config + tokenizer (collective)."""
     hf_meta = checkpoint_hf_dir(ckpt)
+    vet_checkpoint_dir(ckpt / MODEL_SUBDIR)  # before the model is built: a hostile checkpoint fails in a second
     args = read_hf_config(hf_meta)
     check_remote_code(hf_meta, trust_remote_code, flag="--trust-remote-code")
     dims = init_distributed(tp, pp, ep=ep)

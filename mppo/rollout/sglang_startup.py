@@ -23,6 +23,12 @@ os.getpid()), not only the engine's: in a trainer rank that includes megatron's 
 save fails with BrokenPipeError), data-loader workers and tool processes. `stop_engine` narrows that kill to the
 processes the engine started (`StartedEngine.processes`, recorded at start) and their descendants.
 
+Logging: SGLang's Engine configures this process's root logger (`configure_logger`: logging.basicConfig with
+force=True at its `log_level`, "error" for mppo), which removed the trainer's console handler and silenced its INFO
+lines for the rest of the run. The root logger's handlers and level are put back once the start returns (or
+fails), and SGLang's own loggers in this process (its TokenizerManager) write to the engine's log file at that
+level instead of the console, next to what its scheduler and detokenizer processes write there.
+
 SGLang also picks its ports with Python's `random`, which mppo seeds alike on every rank: engines starting at once
 on one host would pick the same port (EADDRINUSE). The start runs on a fresh `random` state (from os.urandom),
 and the trainer's state is restored afterwards, so starting an engine does not move the trainer's random stream.
@@ -32,6 +38,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import logging
 import os
 import random
 import re
@@ -86,7 +93,9 @@ def start_engine(engine_cls: Callable[..., Any], server_args: dict[str, Any], *,
 
         spawn_env = spawn_environment()
     error: str | None = None
-    with _stderr_to(log_path), spawn_env, _without_launcher_env(), _fresh_python_random():
+    level = str(server_args.get("log_level", "error"))
+    with _stderr_to(log_path), _logging_kept(log_path, level), spawn_env, _without_launcher_env(), \
+            _fresh_python_random():
         try:
             engine = engine_cls(**args)
             signal.signal(signal.SIGQUIT, _after_start(what, log_path))
@@ -184,6 +193,41 @@ def _fresh_python_random() -> Iterator[None]:
         yield
     finally:
         random.setstate(state)
+
+
+_SGLANG_LOGGER = "sglang"
+_sglang_log_handler: logging.Handler | None = None  # the one this module attached to SGLang's logger
+
+
+@contextlib.contextmanager
+def _logging_kept(log_path: Path | None, level: str) -> Iterator[None]:
+    """The root logger's handlers and level as before the block (SGLang's start reconfigures them); SGLang's
+    loggers of this process write to `log_path` at `level` from then on, not to the trainer's console."""
+    global _sglang_log_handler
+    root = logging.getLogger()
+    handlers, root_level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        for handler in list(root.handlers):
+            if handler not in handlers:
+                root.removeHandler(handler)
+                handler.close()
+        for handler in handlers:
+            if handler not in root.handlers:
+                root.addHandler(handler)
+        root.setLevel(root_level)
+        sglang = logging.getLogger(_SGLANG_LOGGER)
+        sglang.setLevel(level.upper())
+        if _sglang_log_handler is not None:  # an earlier engine's log (one engine per process at a time)
+            sglang.removeHandler(_sglang_log_handler)
+            _sglang_log_handler.close()
+            _sglang_log_handler = None
+        if log_path is not None:
+            _sglang_log_handler = logging.FileHandler(log_path)
+            _sglang_log_handler.setFormatter(logging.Formatter("[%(asctime)s] %(name)s %(levelname)s %(message)s"))
+            sglang.addHandler(_sglang_log_handler)
+            sglang.propagate = False
 
 
 @contextlib.contextmanager

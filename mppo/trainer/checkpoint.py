@@ -12,19 +12,17 @@ A step directory is first written as `global_step_20.tmp` and renamed only once 
 crash at any moment leaves either the old set of checkpoints or the old set plus one complete new one. A directory
 whose manifest is missing or whose files do not match it is reported by path and reason and skipped.
 
-Nothing in a checkpoint is unpickled before it is vetted: megatron's dist_checkpointing (torch.distributed.checkpoint)
-reads its `.metadata` with plain `pickle.load` and its byte entries with `torch.load(weights_only=False)`. So before
-a checkpoint is chosen, `.metadata` is unpickled here with an allowlist of torch's checkpoint-metadata classes, and
-every byte entry and `*.pt` file is loaded with `torch.load(weights_only=True)`; anything else makes it "corrupt".
+Nothing in a checkpoint is unpickled before it is vetted. Every file under a step directory must be a regular file
+listed in the manifest (an extra `.metadata` would be read by torch's loader without ever being hashed), and every
+pickle-bearing file goes through `mppo.models.pickle_vetting` (allowlist unpicklers) before a step is chosen, so a
+manifest rewritten to match a hostile file does not get it past either. A step that fails is reported and skipped.
 """
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
-import pickle
 import re
 import shutil
 from collections.abc import Callable, Mapping
@@ -32,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from mppo.errors import UserError
+from mppo.models.pickle_vetting import UnsafeCheckpointError, vet_files
 
 log = logging.getLogger("mppo")
 
@@ -130,13 +128,25 @@ def _on_rank0(read: Callable[[], Any], what: str) -> Any:
     return value
 
 
+def _files(root: Path) -> list[tuple[str, int]]:
+    """(relative path, size) of every file under `root` but the manifest; CheckpointError for anything that is
+    not a directory or a regular file (mppo writes neither symlinks nor special files; a symlink could point the
+    loader at a file other than the one hashed)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in sorted([*dirnames, *filenames]):
+            path = Path(dirpath) / name
+            if path.is_symlink() or not (path.is_dir() or path.is_file()):
+                raise CheckpointError(f"{path}: not a regular file (a symlink or special file); mppo never writes "
+                                      "one, so the step is refused")
+        found += [(str((Path(dirpath) / name).relative_to(root)), (Path(dirpath) / name).stat().st_size)
+                  for name in filenames]
+    return sorted((rel, size) for rel, size in found if rel != MANIFEST)
+
+
 def _inventory(root: Path) -> dict[str, dict[str, Any]]:
     """{relative path: size and checksum} of every file under `root` but the manifest (collective)."""
-    def files() -> list[tuple[str, int]]:
-        return [(str(path.relative_to(root)), path.stat().st_size) for path in sorted(root.rglob("*"))
-                if path.is_file() and path.name != MANIFEST]
-
-    listing = _on_rank0(files, f"listing {root}")
+    listing = _on_rank0(lambda: _files(root), f"listing {root}")
     digests, unreadable = _digests(root, listing)
     if unreadable:
         rel, why = sorted(unreadable.items())[0]
@@ -221,13 +231,18 @@ class CheckpointManager:
     def verify(self, path: Path) -> dict[str, Any]:
         """Return the manifest of a complete, uncorrupted checkpoint, else raise CheckpointError with the reason.
 
-        Collective under torch.distributed: rank 0 reads the manifest and checks sizes, every rank hashes a share
-        of the files, rank 0 vets the pickles; every rank raises the same error or returns the same manifest.
+        Collective under torch.distributed: rank 0 reads the manifest, refuses files it does not list and checks
+        sizes, every rank hashes a share of the files, rank 0 vets the pickles; every rank raises the same error
+        or returns the same manifest.
         """
         manifest = _on_rank0(lambda: _read_manifest(path), f"{path / MANIFEST}: unreadable manifest")
         listed = manifest["files"]
 
         def size_problem() -> str | None:
+            unlisted = sorted({rel for rel, _ in _files(path)} - set(listed))
+            if unlisted:
+                return (f"{path / unlisted[0]}: not listed in the manifest (a file added after the checkpoint was "
+                        "written; every file of a step must be listed, so the step is refused)")
             for rel, expected in sorted(listed.items()):
                 file = path / rel
                 if not file.is_file():
@@ -236,7 +251,7 @@ class CheckpointManager:
                     return f"{file}: size {file.stat().st_size} != {expected['size']} in the manifest"
             return None
 
-        problem = _on_rank0(size_problem, f"{path}: checking file sizes")
+        problem = _on_rank0(size_problem, f"{path}: checking the files against the manifest")
         if problem:
             raise CheckpointError(problem)
         digests, unreadable = _digests(path, [(rel, expected["size"]) for rel, expected in listed.items()])
@@ -248,8 +263,10 @@ class CheckpointManager:
                 raise CheckpointError(f"{path / rel}: checksum does not match the manifest (corrupt)")
 
         def vet() -> None:
-            for rel in listed:
-                _vet_pickled(path / rel)
+            try:
+                vet_files(path / rel for rel in listed)  # every file: the check above left no unlisted one
+            except UnsafeCheckpointError as err:
+                raise CheckpointError(str(err)) from err
 
         _on_rank0(vet, f"{path}: vetting pickles")
         return manifest
@@ -295,30 +312,6 @@ def _diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str:
                      for k in keys if saved.get(k) != current.get(k))
 
 
-# ---------------------------------------------------------------------------------------------- pickle vetting
-# Every global torch.distributed.checkpoint's `.metadata` pickle may name: its metadata dataclasses and enums, and
-# torch's Size, dtypes and layout lookup, and paths. Constructing these from untrusted arguments runs no foreign code.
-_METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-                                              "ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                              "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "collections": {"OrderedDict"},
-    "pathlib": {"PosixPath", "PurePosixPath"},  # StorageMeta.checkpoint_id when saved with a Path
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if name in _METADATA_GLOBALS.get(module, ()) or is_dtype:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"it references {module}.{name}, which is not checkpoint metadata")
-
-
 def _read_manifest(path: Path) -> dict[str, Any]:
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
@@ -331,40 +324,6 @@ def _read_manifest(path: Path) -> dict[str, Any]:
             and all(isinstance(v, dict) and {"size", "blake2b"} <= set(v) for v in manifest["files"].values())):
         raise CheckpointError(f"{manifest_path}: not an mppo checkpoint manifest (no files with size and checksum)")
     return manifest
-
-
-def _vet_pickled(file: Path) -> None:
-    """Raise CheckpointError unless every pickle in `file` is plain checkpoint data (see the module docstring)."""
-    try:
-        if file.name == ".metadata":
-            with file.open("rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-            _vet_byte_entries(file.parent, metadata)
-        elif file.suffix == ".pt":
-            torch.load(file, map_location="cpu", weights_only=True)
-    except CheckpointError:
-        raise
-    except Exception as err:  # an unpickling error, or a file that is not what its name says
-        raise CheckpointError(f"{file}: refused to unpickle ({type(err).__name__}: {err}); only load checkpoints "
-                              "written by mppo from a trusted place") from err
-
-
-def _vet_byte_entries(model_dir: Path, metadata: Any) -> None:
-    """torch.distributed.checkpoint unpickles its byte entries with weights_only=False: try them with True."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    for index, info in metadata.storage_data.items():
-        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
-            continue
-        if Path(info.relative_path).name != info.relative_path:
-            raise CheckpointError(f"{model_dir}/.metadata: entry {index.fqn} points outside its directory "
-                                  f"({info.relative_path!r})")
-        if info.transform_descriptors:  # mppo never writes transformed (e.g. compressed) entries
-            raise CheckpointError(f"{model_dir / info.relative_path}: entry {index.fqn} is stored with transforms "
-                                  f"{info.transform_descriptors}, which mppo does not write")
-        with (model_dir / info.relative_path).open("rb") as f:
-            f.seek(info.offset)
-            torch.load(io.BytesIO(f.read(info.length)), map_location="cpu", weights_only=True)
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -34,6 +34,7 @@ from mppo.errors import UserError
 from mppo.models.atomic import atomic_directory
 from mppo.models.builders import unwrap_model
 from mppo.models.checkpoint import HF_SUBDIR, MODEL_SUBDIR, model_sharded_state_dict
+from mppo.models.pickle_vetting import vet_checkpoint_dir
 from mppo.models.weights import write_hf_metadata
 
 FORMAT_VERSION = 1
@@ -285,6 +286,7 @@ def load_worker_checkpoint(worker, ckpt_dir: str | Path, *, load_optimizer: bool
     """
     from megatron.core import dist_checkpointing
 
+    vet_checkpoint_dir(Path(ckpt_dir) / MODEL_SUBDIR)  # each rank vets what it reads (the trainer's verify did too)
     if load_optimizer is None:
         load_optimizer = getattr(worker, "optimizer", None) is not None
     state = read_worker_state(ckpt_dir)

@@ -11,6 +11,8 @@ trainer DP2. Each runs `fit()` for 3 steps. Checked along the way, and written t
 - the SGLang calls and trainer-state offload calls of every phase, in order (the memory choreography);
 - trainer-state offload + reload on the CPU (forced on: the trainer skips it there): storage freed, then every
   parameter and optimizer tensor bitwise back.
+The multi-turn case (GRPO with the calculator tool, tests/e2e_assets.py's make_tool_policy: a model that calls it)
+runs on the same engines (same config, its own weights, pushed) and records its update batch's rows.
 A case on a different model (the Qwen3-MoE case: GRPO at EP2 with routing replay, R3) gets its own Rollout (the
 previous one is shut down first: a checkpoint save after that shutdown is what found SGLang killing the rank's
 dist-checkpoint Manager, mppo.rollout.sglang_startup.stop_engine); after its fit(): the trained weights, exported by the shared exporter (experts
@@ -23,6 +25,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -97,19 +100,39 @@ def spy(trainer, events: list) -> dict:
 
     routes_in_batch: list[bool] = []
 
+    tool_rows: list[dict] = []
+
     def record_update(name, args, kwargs):
         batch = args[0]
         routes_in_batch.append("routed_experts" in batch)
         mask = batch["response_mask"].bool()
         diff = (batch["old_log_probs"].exp() - batch["rollout_log_probs"].exp()).abs()[mask]
         diffs.append(float(diff.max()))
+        if "num_tool_calls" in batch:
+            tool_rows.extend(multi_turn_rows(batch))
         events.append("actor.update")
 
     wrap(trainer.actor, "update", record_update)
     wrap(trainer.actor, "compute_log_prob", lambda *_: events.append("actor.compute_log_prob"))
     if trainer.critic is not None:
         wrap(trainer.critic, "update", lambda *_: events.append("critic.update"))
-    return {"rollout_probs_diff_max": diffs, "routes_in_batch": routes_in_batch}
+    return {"rollout_probs_diff_max": diffs, "routes_in_batch": routes_in_batch, "tool_rows": tool_rows}
+
+
+def multi_turn_rows(batch: dict) -> list[dict]:
+    """This rank's rows of a multi-turn update batch, unpadded: the prompt, the response (tool turns included), its
+    loss mask, the engine's and the actor's log-probs, the tool calls."""
+    prompt_width = batch["prompt_mask"].shape[1]
+    rows = []
+    for r in range(batch["responses"].shape[0]):
+        length = int(batch["attention_mask"][r, prompt_width:].sum())
+        rows.append({"prompt": batch["input_ids"][r, :prompt_width][batch["prompt_mask"][r].bool()].tolist(),
+                     "response": batch["responses"][r, :length].tolist(),
+                     "mask": batch["response_mask"][r, :length].int().tolist(),
+                     "rollout_log_probs": batch["rollout_log_probs"][r, :length].tolist(),
+                     "old_log_probs": batch["old_log_probs"][r, :length].tolist(),
+                     "num_tool_calls": int(batch["num_tool_calls"][r])})
+    return rows
 
 
 def wrap(obj, name: str, before) -> None:
@@ -187,17 +210,20 @@ def run(args, result: dict) -> None:
     from mppo.trainer.fit import PPOTrainer
 
     cases = json.loads(args.cases)
-    rollout, served = None, None  # the engines of the current model
+    rollout, served = None, None  # the engines of the current model config
     for name, overrides in cases.items():
+        began = time.monotonic()
         cfg = load(args.config, overrides)
-        if cfg.actor_rollout_ref.model.path != served:
+        # an engine serves any weights of its model's config (the trainer pushes them before every generation)
+        config = (Path(cfg.actor_rollout_ref.model.path) / "config.json").read_text()
+        if config != served:
             if rollout is not None:
                 rollout.shutdown()
             init_distributed(1, 1)
             rollout = build_rollout(cfg, device=torch.device("cpu"), dtype=torch.float32,
                                     log_dir=args.out / f"sglang_{name}")
             destroy()
-            served = cfg.actor_rollout_ref.model.path
+            served = config
             result.setdefault("engines", len(rollout.layout.groups))
             result.setdefault("group", list(rollout.layout.ranks))
         trainer = PPOTrainer(cfg, rollout=rollout)
@@ -218,6 +244,11 @@ def run(args, result: dict) -> None:
         if cfg.actor_rollout_ref.actor.router_replay.mode == "R3":
             case["ep"] = trainer.dims.ep
             case["moe"] = moe_check(trainer, args.out / f"{name}_export_rank{os.environ['RANK']}")
+            result[name] = case
+            close(trainer)
+            continue
+        if cfg.actor_rollout_ref.rollout.multi_turn.enable:  # its checks are on the recorded rows
+            case["wall_s"] = time.monotonic() - began  # what the case adds to the launch (CI budget)
             result[name] = case
             close(trainer)
             continue
