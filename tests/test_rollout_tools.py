@@ -268,8 +268,8 @@ def test_the_tool_sees_nothing_of_the_trainers_files_descriptors_or_environment(
 def test_a_socket_connect_to_the_trainers_port_fails():
     """The trainer listens on localhost; the tool, in an empty network namespace, cannot reach it (nor any
     network). Skipped, saying why, where the machine gives no network namespace (the sandbox logs that too)."""
-    import encodings.idna  # noqa: F401 - connect() encodes the host with it; imported here, as a trainer has,
-    import socket  # since a tool of an unprivileged test run may not read a stdlib under /root
+    import encodings.idna  # noqa: F401 - connect() needs it; a tool imports it lazily otherwise, which fails
+    import socket  # when an unprivileged test run's Python sits under /root (unreadable in the user namespace)
 
     from mppo.rollout.tool_sandbox import isolation
 
@@ -360,3 +360,22 @@ def test_multi_turn_tool_max_memory_mb_limits_the_tools_memory(tmp_path, monkeyp
     assert capped([ToolCall("allocate", {"mb": 256}), ToolCall("allocate", {"mb": 48})]) == [
         "error: MemoryError: ", "allocated 48 MiB"]
     assert tools()([ToolCall("allocate", {"mb": 256})]) == ["allocated 256 MiB"]
+
+
+def test_what_the_sandbox_cannot_isolate_is_logged_once(monkeypatch, caplog):
+    """A machine without (here: pretending to lack) a network namespace: one warning naming it, for the first
+    call of the process only; the calls still run."""
+    import logging
+    from dataclasses import replace
+
+    from mppo.rollout import tool_sandbox
+
+    plan = tool_sandbox._current_plan()
+    lacking = replace(plan, isolation=replace(plan.isolation, missing=("no network namespace (pretended)",)))
+    monkeypatch.setattr(tool_sandbox, "_probe", lambda: lacking)
+    monkeypatch.setattr(tool_sandbox, "_plan", None)
+    with caplog.at_level(logging.WARNING, logger="mppo"):
+        for _ in range(2):
+            assert call('<tool_call>{"name": "calculator", "arguments": {"expression": "2 * 3"}}</tool_call>') == "6"
+    assert [r.getMessage() for r in caplog.records] == [
+        "tool sandbox: no network namespace (pretended) (docs/RELIABILITY.md, Tool sandbox)"]
