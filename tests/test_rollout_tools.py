@@ -1,8 +1,13 @@
 """The tools of multi-turn rollouts: hermes call parsing, the bounded calculator, and hostile calls contained in
-time and memory (issue 16 item 4's tool part)."""
+time and memory (issue 16 item 4's tool part), and the tool sandbox (issue 24 item 2)."""
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
+
+import pytest
 
 from mppo.rollout.tools import ToolCall, parse_tool_calls, run_tool_call, truncate_text
 
@@ -107,3 +112,270 @@ def test_a_tool_that_allocates_without_bound_is_cut_in_memory():
     assert run_tool_call(ToolCall("modest", {}), timeout_s=30, max_chars=256, registry=registry,
                          max_memory_mb=256) == str(64 << 20)
     assert _rss_mb() - before < 64  # the parent never held the tool's memory
+
+
+# --- the sandbox (issue 24 item 2): each test below fails on the old fork-and-kill-one-pid runner -----------------
+
+def _set_name(name: str) -> None:
+    """Mark this process (its comm) so the test can find it from outside, in any PID namespace."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
+
+
+def _named(name: str) -> list[int]:
+    """Live (not zombie) processes marked `name`, from /proc: the test's own view, independent of the sandbox."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                head, tail = f.read().rsplit(")", 1)
+            comm, state = head.split("(", 1)[1], tail.split()[0]
+        except OSError:
+            continue
+        if comm == name and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+@pytest.fixture
+def marker():
+    """A unique process name; whatever still carries it at the end is killed (the old runner leaves them)."""
+    name = f"mppo-t{os.getpid() % 100000}"
+    yield name
+    for pid in _named(name):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+@pytest.fixture(params=["as-configured", "warden", "warden-without-pid-namespace"])
+def sandbox_mode(request, monkeypatch):
+    """The containment tests run in each way the sandbox can work: how this machine runs it (root: the trainer
+    forks the tool into a new PID namespace itself), with a warden process (unprivileged trainers), and with a
+    warden but no PID namespace (where none can be made: only the warden's subreaper walk then)."""
+    from dataclasses import replace
+
+    from mppo.rollout import tool_sandbox
+
+    plan = tool_sandbox._current_plan()
+    if request.param != "as-configured":
+        if request.param == "warden-without-pid-namespace":
+            plan = replace(plan, isolation=replace(plan.isolation, pid_namespace=False))
+        monkeypatch.setattr(tool_sandbox, "_plan", replace(plan, direct=False))
+    return request.param
+
+
+def test_a_fork_bomb_is_contained_and_the_trainer_lives(marker, sandbox_mode):
+    """RLIMIT_NPROC stops the forks (also as root: the tool runs as another uid), the call ends with the error,
+    and none of the forked processes is left. The bomb is capped at 400 forks so that the old runner, which has no
+    limit, survives running it (it leaves 400 sleeping processes, which the fixture kills)."""
+
+    def bomb(name):
+        _set_name(name)
+        for _ in range(400):
+            if os.fork() == 0:
+                time.sleep(60)
+                os._exit(0)
+        return "forked 400 processes"
+
+    start = time.monotonic()
+    text = run_tool_call(ToolCall("bomb", {"name": marker}), timeout_s=20, max_chars=256, registry={"bomb": bomb})
+    assert text.startswith("error: BlockingIOError: [Errno 11] Resource temporarily unavailable"), text
+    assert time.monotonic() - start < 15  # cut by the process limit, not the 20 s timeout
+    assert _named(marker) == []
+    assert call('<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>') == "3"
+
+
+def test_a_grandchild_that_outlives_its_parent_is_killed(marker, sandbox_mode):
+    """The tool double-forks a daemon that leaves the tool's session (setsid) and returns at once: the daemon
+    must not survive the call. Its pid is the host's (/proc is the host's), checked from the test."""
+
+    def daemonize(name):
+        ready_r, ready_w = os.pipe()
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:  # the grandchild: its parent exits now, so it is an orphan in another session
+                _set_name(name)
+                os.write(ready_w, os.readlink("/proc/self").encode())
+                time.sleep(60)
+            os._exit(0)
+        os.close(ready_w)
+        return os.read(ready_r, 32).decode()
+
+    start = time.monotonic()
+    text = run_tool_call(ToolCall("d", {"name": marker}), timeout_s=10, max_chars=256, registry={"d": daemonize})
+    assert text.isdigit(), text
+    assert time.monotonic() - start < 5
+    assert int(text) not in _named(marker) and _named(marker) == []
+
+
+def test_a_large_file_is_stopped_by_the_file_size_limit(tmp_path, monkeypatch):
+    """RLIMIT_FSIZE (64 MiB by default): a 100 MiB write fails in the tool (Python ignores SIGXFSZ, so it is an
+    OSError the tool reports). The old runner wrote it all (into the test's directory: chdir'd to tmp_path)."""
+    monkeypatch.chdir(tmp_path)
+
+    def write_big(**_):
+        with open("big", "wb") as f:
+            for _ in range(100):
+                f.write(bytes(1 << 20))
+        return f"wrote {os.path.getsize('big')} bytes"
+
+    text = run_tool_call(ToolCall("w", {}), timeout_s=20, max_chars=256, registry={"w": write_big})
+    assert text == "error: OSError: [Errno 27] File too large", text
+    assert not (tmp_path / "big").exists()
+
+
+def test_the_tool_sees_nothing_of_the_trainers_files_descriptors_or_environment(tmp_path, monkeypatch):
+    """An fd the trainer holds is closed in the tool (and, as root, not reachable through /proc/<trainer>/fd: the
+    tool runs as another uid); the tool's descriptors are just 0-2 (/dev/null) and its result pipe; its working
+    directory is new, empty and removed afterwards; the trainer's environment (tokens) is not passed on."""
+    from mppo.rollout.tool_sandbox import isolation
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("s3cret")
+    secret.chmod(0o600)
+    monkeypatch.setenv("MPPO_TEST_TOKEN", "t0ken")
+    monkeypatch.chdir(tmp_path)
+    fd = os.open(secret, os.O_RDONLY)
+
+    def peek(fd, trainer):
+        seen = {"cwd": os.getcwd(), "files": os.listdir("."), "fds": sorted(os.listdir("/proc/self/fd")),
+                "env": dict(os.environ), "stdout": os.readlink("/proc/self/fd/1")}
+        for how, read in (("fd", lambda: os.pread(fd, 64, 0).decode()),
+                          ("proc", lambda: open(f"/proc/{trainer}/fd/{fd}").read())):
+            try:
+                seen[how] = read()
+            except OSError as err:
+                seen[how] = type(err).__name__
+        return json.dumps(seen)
+
+    try:
+        text = run_tool_call(ToolCall("peek", {"fd": fd, "trainer": os.getpid()}), timeout_s=10, max_chars=4000,
+                             registry={"peek": peek})
+    finally:
+        os.close(fd)
+    seen = json.loads(text)
+    assert seen["fd"] != "s3cret", seen
+    if os.geteuid() == 0 and isolation().process_limit == "uid":
+        assert seen["proc"] != "s3cret", seen
+    assert len(seen["fds"]) <= 5 and seen["stdout"] == "/dev/null", seen  # 0-2, the result, listdir's own
+    assert "MPPO_TEST_TOKEN" not in seen["env"] and seen["env"]["HOME"] == seen["cwd"]
+    assert seen["files"] == [] and seen["cwd"] != str(tmp_path) and not os.path.exists(seen["cwd"])
+
+
+def test_a_socket_connect_to_the_trainers_port_fails():
+    """The trainer listens on localhost; the tool, in an empty network namespace, cannot reach it (nor any
+    network). Skipped, saying why, where the machine gives no network namespace (the sandbox logs that too)."""
+    import encodings.idna  # noqa: F401 - connect() needs it; a tool imports it lazily otherwise, which fails
+    import socket  # when an unprivileged test run's Python sits under /root (unreadable in the user namespace)
+
+    from mppo.rollout.tool_sandbox import isolation
+
+    if not isolation().network:
+        pytest.skip("; ".join(isolation().missing))
+    server = socket.create_server(("127.0.0.1", 0))
+    server.setblocking(False)
+    port = server.getsockname()[1]
+
+    def connect(port):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+            return "connected"
+        except OSError as err:
+            return f"refused: {err}"
+
+    try:
+        text = run_tool_call(ToolCall("c", {"port": port}), timeout_s=10, max_chars=256, registry={"c": connect})
+        assert text.startswith("refused: [Errno 101] Network is unreachable"), text
+        with pytest.raises(BlockingIOError):
+            server.accept()
+    finally:
+        server.close()
+
+
+def test_a_cpu_loop_is_killed_by_the_cpu_time_limit():
+    """RLIMIT_CPU ends a spinning tool with SIGXCPU well before the 30 s wall-clock timeout would. (The old runner
+    had no CPU limit: run_tool_call did not take `limits`.)"""
+    from mppo.rollout.tool_sandbox import SandboxLimits
+
+    def spin(**_):
+        while True:
+            pass
+
+    start = time.monotonic()
+    text = run_tool_call(ToolCall("spin", {}), timeout_s=30, max_chars=256, registry={"spin": spin},
+                         limits=SandboxLimits(cpu_s=1))
+    assert text == "error: the tool used up its CPU time (1 s)", text
+    assert time.monotonic() - start < 25
+
+
+def test_huge_output_is_bounded_in_the_trainer(capfd):
+    """A tool returning 100 MiB: the trainer allocates a few KiB for it (traced), not the whole text as the old
+    runner did (it received it all, then cut it), and the cut keeps both ends. What the tool prints goes to
+    /dev/null, not to the trainer's console."""
+    import tracemalloc
+
+    def flood(**_):
+        print("LEAKED" * 1000, flush=True)
+        os.write(2, b"LEAKED")
+        return "y" * (100 << 20) + "END"
+
+    tracemalloc.start()
+    try:
+        text = run_tool_call(ToolCall("f", {}), timeout_s=20, max_chars=100, registry={"f": flood})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert text == "y" * 50 + "...(truncated)..." + "y" * 47 + "END"
+    assert peak < 1 << 20, peak
+    assert "LEAKED" not in "".join(capfd.readouterr())
+
+
+def test_multi_turn_tool_max_memory_mb_limits_the_tools_memory(tmp_path, monkeypatch):
+    """`actor_rollout_ref.rollout.multi_turn.tool_max_memory_mb` as a user sets it, through the run's agent loop
+    and its tools: with 128, allocating 256 MiB fails and 48 MiB works; with the default (1024), 256 MiB works,
+    so it is the key that decides."""
+    from test_rollout_agent_loop import tokenizer
+
+    from dist_util import REPO
+    from mppo.config import load_config
+    from mppo.rollout.agent_loop import build_agent_loop
+    from mppo.rollout.tools import TOOL_REGISTRY
+
+    def allocate(mb):
+        return f"allocated {len(bytearray(mb << 20)) >> 20} MiB"
+
+    monkeypatch.setitem(TOOL_REGISTRY, "allocate", allocate)
+    tok = tokenizer(tmp_path)
+
+    def tools(*extra):
+        cfg = load_config(str(REPO / "configs" / "demo_cpu.yaml"),
+                          ["actor_rollout_ref.rollout.multi_turn.enable=true", "trainer.n_gpus_per_node=1",
+                           "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1", *extra], world_size=1)
+        return build_agent_loop(cfg, tok).local_tools()
+
+    capped = tools("actor_rollout_ref.rollout.multi_turn.tool_max_memory_mb=128")
+    assert capped([ToolCall("allocate", {"mb": 256}), ToolCall("allocate", {"mb": 48})]) == [
+        "error: MemoryError: ", "allocated 48 MiB"]
+    assert tools()([ToolCall("allocate", {"mb": 256})]) == ["allocated 256 MiB"]
+
+
+def test_what_the_sandbox_cannot_isolate_is_logged_once(monkeypatch, caplog):
+    """A machine without (here: pretending to lack) a network namespace: one warning naming it, for the first
+    call of the process only; the calls still run."""
+    import logging
+    from dataclasses import replace
+
+    from mppo.rollout import tool_sandbox
+
+    plan = tool_sandbox._current_plan()
+    lacking = replace(plan, isolation=replace(plan.isolation, missing=("no network namespace (pretended)",)))
+    monkeypatch.setattr(tool_sandbox, "_probe", lambda: lacking)
+    monkeypatch.setattr(tool_sandbox, "_plan", None)
+    with caplog.at_level(logging.WARNING, logger="mppo"):
+        for _ in range(2):
+            assert call('<tool_call>{"name": "calculator", "arguments": {"expression": "2 * 3"}}</tool_call>') == "6"
+    assert [r.getMessage() for r in caplog.records] == [
+        "tool sandbox: no network namespace (pretended) (docs/RELIABILITY.md, Tool sandbox)"]

@@ -7,21 +7,21 @@ running a tool so that whatever it does becomes a tool message, never a crash or
   becomes an error result the model sees, so it can learn from it.
 - `calculator`: the project's bounded arithmetic parser (`mppo.rewards.arith`, never `eval`): `9**9**9`,
   names, huge literals and deep nesting are parse errors.
-- `run_tool_call`: runs the tool in a forked child process that is killed at `timeout_s` (a tool that hangs or
-  loops is cut there, and its memory goes with the child); every exception becomes the tool's text; the text is
-  cut to `max_chars` like veRL's `max_tool_response_length` / `tool_response_truncate_side`; the child's address
-  space is capped (RLIMIT_AS) at what it inherits plus `max_memory_mb`, so a tool that allocates without bound gets
-  a MemoryError (an error message) rather than the trainer's memory.
+- `run_tool_call`: runs the tool in the sandbox of `mppo.rollout.tool_sandbox` (its own session and PID and
+  network namespaces, killed as a whole at `timeout_s`; RLIMIT_AS at what the fork inherits plus `max_memory_mb`,
+  RLIMIT_NPROC / FSIZE / CPU; no inherited descriptors; an empty working directory; output through a bounded
+  pipe); every exception becomes the tool's text; the text is cut to `max_chars` like veRL's
+  `max_tool_response_length` / `tool_response_truncate_side`, inside the sandbox, so the trainer reads only that.
 """
 from __future__ import annotations
 
 import json
-import multiprocessing
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mppo.rewards.arith import ParseError, evaluate
+from mppo.rollout.tool_sandbox import SandboxLimits, run_sandboxed
 
 __all__ = ["ToolCall", "TOOL_REGISTRY", "register_tool", "parse_tool_calls", "run_tool_call", "truncate_text",
            "calculator"]
@@ -94,55 +94,20 @@ def truncate_text(text: str, max_chars: int, side: str = "middle") -> str:
     return text[:half] + "...(truncated)..." + text[-half:]
 
 
-def _limit_memory(max_memory_mb: int) -> None:
-    """Cap this (forked) process's address space at what it has now plus `max_memory_mb`: the fork inherits the
-    trainer's whole mapping (torch, the model), so only new allocations count against the budget; one that does
-    not fit raises MemoryError in the tool instead of taking the machine's memory."""
-    import resource
-
-    with open("/proc/self/status") as status:
-        size_kb = next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
-    limit = size_kb * 1024 + (max_memory_mb << 20)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-
-def _child(fn: ToolFn, arguments: dict, conn, max_memory_mb: int | None) -> None:
-    try:
-        if max_memory_mb is not None:
-            _limit_memory(max_memory_mb)
-        conn.send(str(fn(**arguments)))
-    except BaseException as err:  # the child reports everything; the parent decides
-        conn.send(f"error: {type(err).__name__}: {str(err)[:200]}")
-    finally:
-        conn.close()
-
-
 def run_tool_call(call: ToolCall, *, timeout_s: float, max_chars: int, truncate_side: str = "middle",
-                  registry: dict[str, ToolFn] | None = None, max_memory_mb: int | None = 1024) -> str:
+                  registry: dict[str, ToolFn] | None = None, max_memory_mb: int | None = 1024,
+                  limits: SandboxLimits | None = None) -> str:
     """The tool message for `call`: its result, or an error text; never raises, returns within about timeout_s;
-    the tool may allocate at most `max_memory_mb` MiB beyond what the fork inherits (None: no cap)."""
+    the tool may allocate at most `max_memory_mb` MiB beyond what the fork inherits (None: no cap); `limits` sets
+    the sandbox's other limits (processes, file size, CPU time; its memory_mb is replaced by max_memory_mb)."""
     registry = TOOL_REGISTRY if registry is None else registry
     if call.error:
         return truncate_text(call.error, max_chars, truncate_side)
     fn = registry.get(call.name)
     if fn is None:
         return f"error: unknown tool {call.name[:64]!r}; available: {', '.join(sorted(registry))}"
-    ctx = multiprocessing.get_context("fork")
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child, args=(fn, call.arguments, send, max_memory_mb), daemon=True)
-    child.start()
-    send.close()
-    try:
-        if receive.poll(timeout_s):
-            try:
-                text = receive.recv()
-            except EOFError:
-                text = "error: the tool exited without a result"
-        else:
-            text = f"error: the tool did not finish within {timeout_s:g} s"
-    finally:
-        receive.close()
-        if child.is_alive():
-            child.kill()
-        child.join()
+    limits = replace(limits or SandboxLimits(), memory_mb=max_memory_mb)
+    arguments = call.arguments
+    text = run_sandboxed(lambda: truncate_text(str(fn(**arguments)), max_chars, truncate_side), timeout_s=timeout_s,
+                         limits=limits, max_bytes=4 * (max_chars + 32) + 512)  # UTF-8 of the cut text, or an error
     return truncate_text(text, max_chars, truncate_side)
