@@ -299,6 +299,20 @@ def test_world_size_must_match_the_launch():
     assert "trainer.n_gpus_per_node=4" in message
 
 
+def test_sequence_parallel_is_on_iff_tp_and_needs_tp():
+    cfg = load(f"{ACTOR}.megatron.tensor_model_parallel_size=2")
+    assert cfg.actor_rollout_ref.actor.megatron.sequence_parallel is None  # null: on iff TP > 1 (veRL's default)
+    assert cfg.actor_rollout_ref.actor.megatron.uses_sequence_parallel()
+    assert cfg.critic.megatron.uses_sequence_parallel()
+    assert not load().actor_rollout_ref.actor.megatron.uses_sequence_parallel()  # TP 1
+    off = load(f"{ACTOR}.megatron.tensor_model_parallel_size=2", f"{ACTOR}.megatron.sequence_parallel=false")
+    assert not off.actor_rollout_ref.actor.megatron.uses_sequence_parallel()
+    assert not off.critic.megatron.uses_sequence_parallel()  # inherits the actor's false
+    message = error_of(f"{ACTOR}.megatron.sequence_parallel=true")
+    assert message.startswith(f"{ACTOR}.megatron.sequence_parallel = true: sequence parallelism splits the sequence "
+                              "over the TP ranks, and TP is 1")
+
+
 @pytest.mark.parametrize("role", [ACTOR, "critic", "actor_rollout_ref.ref"])
 def test_tp_times_pp_must_divide_the_world(role):
     kl = [f"{ACTOR}.use_kl_loss=true"] if role.endswith("ref") else []  # the ref is only built when KL is used

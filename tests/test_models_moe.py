@@ -17,7 +17,8 @@ SCRIPT = Path(__file__).parent / "dist" / "models_moe.py"
 ATOL = 1e-4
 LAYOUTS = ("tp1pp1ep1", "tp2pp1ep1", "tp1pp2ep1", "tp1pp1ep2", "tp2pp1ep2", "tp1pp2ep2", "tp1pp1ep4")
 DENSE_LAYOUTS = ("tp1pp1ep1", "tp2pp1ep1", "tp1pp2ep1")
-MOE_CPU_PATCHES = ("cuda_streams", "backward_device_mode", "splits_as_numpy", "te_general_gemm")
+MOE_CPU_PATCHES = ("cuda_streams", "backward_device_mode", "uneven_sequence_collectives", "splits_as_numpy",
+                   "te_general_gemm")
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,12 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 CASES = ([(layout, "qwen3_moe") for layout in LAYOUTS] + [(layout, "qwen3_tied") for layout in DENSE_LAYOUTS]
          + [(layout, "qwen3_moe_unnormed") for layout in ("tp1pp1ep1", "tp1pp1ep2")])
+
+
+def test_moe_under_tp_with_sequence_parallelism_matches_hf(ranks):
+    for what in ("log_probs", "entropy"):
+        worst = max(on_every_rank(ranks, f"tp2pp1ep2sp/qwen3_moe/{what}"))
+        assert worst <= ATOL, f"TP2 x EP2 + SP {what}: max |megatron - HF| = {worst}"
 
 
 @pytest.mark.parametrize("layout, model", CASES)
@@ -47,7 +54,7 @@ def test_experts_are_split_over_ep_ranks(ranks):
     assert on_every_rank(ranks, "tp1pp1ep1/qwen3_tied/local_experts") == [[]] * 4
 
 
-@pytest.mark.parametrize("layout", ("tp1pp1ep1", "tp1pp2ep1", "tp1pp1ep2", "tp1pp2ep2", "tp1pp1ep4"))
+@pytest.mark.parametrize("layout", ("tp1pp1ep1", "tp1pp2ep1", "tp1pp1ep2", "tp1pp2ep2", "tp1pp1ep4", "tp2pp1ep2sp"))
 def test_gradients_through_router_and_experts_match_hf(ranks, layout):
     # d(sum log-probs)/d(router weight, expert 3's down_proj) relative to HF autograd
     assert max(on_every_rank(ranks, f"{layout}/qwen3_moe/grad")) <= 1e-5

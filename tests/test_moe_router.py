@@ -1,6 +1,6 @@
 """MoE router losses (`megatron.override_transformer_config.moe_aux_loss_coeff` / `moe_z_loss_coeff`) and routing
-replay's mechanism (`actor.router_replay.mode=R3`) on a tiny Qwen3-MoE (2 CPU ranks; the losses at DP2, EP2 and PP2,
-as megatron-core trains MoE layers under TP only with sequence parallelism; replay also at TP2):
+replay's mechanism (`actor.router_replay.mode=R3`) on a tiny Qwen3-MoE (2 CPU ranks; DP2, EP2, PP2 and TP2 with
+sequence parallelism, as megatron-core trains MoE layers under TP only with it):
 - the reported `actor/moe_aux_loss` and `actor/moe_z_loss` equal the Switch load-balancing loss and the z-loss
   computed from HF's router logits by naive formulas, the coefficients put exactly coeff x their gradient on the
   router weights, and coefficients 0 mean no metric and no gradient;
@@ -16,8 +16,8 @@ import pytest
 from dist_util import run_cases
 
 SCRIPT = Path(__file__).parent / "dist" / "moe_router.py"
-LAYOUTS = ("dp2", "ep2", "pp2")
-LOSS_LAYOUTS = ("dp2", "ep2", "pp2")  # megatron-core trains MoE under TP only with sequence parallelism
+LAYOUTS = ("dp2", "ep2", "pp2", "tp2sp")
+LOSS_LAYOUTS = ("dp2", "ep2", "pp2", "tp2sp")  # megatron-core trains MoE under TP only with sequence parallelism
 
 
 @pytest.fixture(scope="module")

@@ -170,6 +170,13 @@ def test_activations_equal_korthikanti_closed_form():
                             paper_none - dropout - 3 * a * s * s * b / t)
         assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "selective"), paper_selective - dropout)
         assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "full"), 2 * s * b * h)
+        # with sequence parallelism (the paper's "TP + SP" rows): 10 + 24/t -> 34/t, and the layer input / t
+        paper_sp_none = s * b * h * (34 / t + 5 * a * s / (h * t))
+        assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "none", sp=True),
+                            paper_sp_none - dropout / t - 3 * a * s * s * b / t)
+        assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "selective", sp=True),
+                            s * b * h * 34 / t - dropout / t)
+        assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "full", sp=True), 2 * s * b * h / t)
 
 
 def test_moe_layer_activations_hand_count():

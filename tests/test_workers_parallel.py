@@ -1,4 +1,5 @@
-"""Actor, critic and reference workers at TP2xPP2, TP2, PP2, TP1 (DP4) and interleaved PP (4 CPU ranks) against
+"""Actor, critic and reference workers at TP2xPP2, TP2, PP2, TP1 (DP4) and interleaved PP (4 CPU ranks; TP2 with
+sequence parallelism, megatron.sequence_parallel's default there, and once without) against
 plain-torch references: HF transformers log-probs/values, core_algos losses, torch.optim.AdamW.
 
 One torchrun launch (tests/dist/workers_parallel.py) runs every case; each test asserts on one family of results
@@ -38,10 +39,18 @@ def test_actor_log_probs_and_entropy_match_hf(ranks, layout):
 
 
 def test_log_prob_paths_agree(ranks):
-    # token-budget micro-batches == count micro-batches; naive (megatron CE) == fused kernel; reference == actor
-    for key in ("token_budget_vs_count", "naive_vs_fused", "ref_vs_actor"):
+    # token-budget micro-batches == count micro-batches; naive (megatron CE) == fused kernel; reference == actor;
+    # TP without sequence parallelism == with it
+    for key in ("token_budget_vs_count", "naive_vs_fused", "ref_vs_actor", "plain_tp_vs_sp"):
         assert max(on_every_rank(ranks, f"tp2pp2/{key}")) <= 1e-5, key
     assert all(on_every_rank(ranks, "tp2pp2/ref_frozen"))
+    assert on_every_rank(ranks, "tp2pp2/plain_tp_sequence_parallel") == [False] * 4
+
+
+def test_sequence_parallel_is_on_by_default_under_tp(ranks):
+    """megatron.sequence_parallel=null: on iff TP > 1 (veRL's default), so every TP2 layout here runs with it."""
+    for layout in ACTOR_LAYOUTS:
+        assert on_every_rank(ranks, f"{layout}/sequence_parallel") == [layout.startswith("tp2")] * 4, layout
 
 
 @pytest.mark.parametrize("layout", ACTOR_LAYOUTS)

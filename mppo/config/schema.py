@@ -79,6 +79,7 @@ class MegatronConfig:
     pipeline_model_parallel_size: Optional[int] = None  # PP: pipeline stages
     virtual_pipeline_model_parallel_size: Optional[int] = None  # model chunks per stage (interleaved 1F1B); 1 = none
     expert_model_parallel_size: Optional[int] = None  # EP: ranks splitting each MoE layer's experts (from DP)
+    sequence_parallel: Optional[bool] = None  # SP: activations split along the sequence over TP; null = on iff TP > 1
     use_distributed_optimizer: Optional[bool] = None  # shard optimizer state over DP ranks (ZeRO-1)
     recompute: Optional[str] = field(default=None, metadata={"choices": RECOMPUTE})  # activation recomputation
     seed: Optional[int] = None  # model-parallel RNG seed (init, dropout); actor: null = trainer.seed
@@ -86,6 +87,12 @@ class MegatronConfig:
     optimizer_offload: Optional[bool] = None  # optimizer state in host memory while the rollout generates
     # TransformerConfig overrides (MoE aux losses; the ref never trains, so only the actor and critic use them)
     override_transformer_config: TransformerOverrides = field(default_factory=TransformerOverrides)
+
+    def uses_sequence_parallel(self) -> bool:
+        """Whether the role's models are built with sequence parallelism (`sequence_parallel`, null = TP > 1)."""
+        if self.sequence_parallel is not None:
+            return self.sequence_parallel
+        return (self.tensor_model_parallel_size or 1) > 1
 
 
 def actor_megatron_defaults() -> MegatronConfig:
@@ -336,8 +343,8 @@ class MppoConfig:
 # ------------------------------------------------------------------------------------------------- inheritance
 ACTOR = "actor_rollout_ref.actor"
 MEGATRON_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "virtual_pipeline_model_parallel_size", "expert_model_parallel_size", "use_distributed_optimizer",
-                 "recompute", "seed", "param_offload", "optimizer_offload",
+                 "virtual_pipeline_model_parallel_size", "expert_model_parallel_size", "sequence_parallel",
+                 "use_distributed_optimizer", "recompute", "seed", "param_offload", "optimizer_offload",
                  "override_transformer_config.moe_aux_loss_coeff", "override_transformer_config.moe_z_loss_coeff")
 
 # key -> parent key: a null key takes its parent's (resolved) value. critic.enable is resolved separately

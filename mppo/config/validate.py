@@ -188,6 +188,9 @@ def _data_parallel_size(cfg: MppoConfig, role: str, world: int, world_text: str)
     if vpp is not None and pp < 2:
         raise _fail(f"{m}.virtual_pipeline_model_parallel_size", vpp, "interleaving needs pipeline parallelism",
                     f"set {m}.pipeline_model_parallel_size > 1 or virtual_pipeline_model_parallel_size=null")
+    if get_key(cfg, f"{m}.sequence_parallel") and tp < 2:
+        raise _fail(f"{m}.sequence_parallel", True, "sequence parallelism splits the sequence over the TP ranks, and "
+                    "TP is 1", f"set {m}.tensor_model_parallel_size > 1, or sequence_parallel=null (on iff TP > 1)")
     dp, ep = world // (tp * pp), get_key(cfg, f"{m}.expert_model_parallel_size")
     if dp % ep:  # megatron takes the EP ranks from the data-parallel ones
         raise _fail(f"{m}.expert_model_parallel_size", ep, f"the experts are split over data-parallel ranks, and "

@@ -34,13 +34,17 @@ class ValueHead(nn.Module):
     (values [s, b, 1], None) like ColumnParallelLinear returns (logits, bias).
     """
 
-    def __init__(self, hidden_size: int, device: torch.device | str | None = None):
+    def __init__(self, hidden_size: int, device: torch.device | str | None = None, sequence_parallel: bool = False):
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(1, dtype=torch.float32, device=device))
 
     def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        if self.sequence_parallel:
+            # [s/tp, b, h] -> [s, b, h]: every TP rank then holds all values and the same head gradient
+            hidden_states = gather_sequence(hidden_states)
         return nn.functional.linear(hidden_states.float(), self.weight.float(), self.bias.float()), None
 
 
@@ -70,7 +74,6 @@ def build_transformer_config(args: HFModelArgs, dims: ParallelDims, *, dtype: to
         pipeline_model_parallel_size=dims.pp,
         expert_model_parallel_size=dims.ep,
         virtual_pipeline_model_parallel_size=dims.vpp,
-        sequence_parallel=False,  # megatron's local spec cannot build it; not supported here yet
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -87,6 +90,9 @@ def build_transformer_config(args: HFModelArgs, dims: ParallelDims, *, dtype: to
         batch_p2p_comm=dims.backend != "gloo",
     )
     kwargs.update(overrides)
+    if kwargs.get("sequence_parallel") and dims.tp < 2:
+        raise ParallelLayoutError("sequence parallelism splits the sequence over the TP ranks and needs tp > 1; "
+                                  "set sequence_parallel=false (or null) at tp=1")
     return TransformerConfig(**kwargs)
 
 
@@ -120,7 +126,8 @@ def build_gpt_model(hf: HFModelArgs | str | Path, dims: ParallelDims, *, role: R
             parallel_output=True, share_embeddings_and_output_weights=tie, vp_stage=vp,
             **gpt_model_kwargs(args))
         if role == "critic" and model.post_process:
-            model.output_layer = ValueHead(args.hidden_size, device=dims.device)
+            model.output_layer = ValueHead(args.hidden_size, device=dims.device,
+                                           sequence_parallel=config.sequence_parallel)
         model.to(dims.device)
         if dtype != torch.float32:
             # Every parameter in the model dtype, as megatron's Float16Module makes it: the local spec's norms are
@@ -133,6 +140,17 @@ def build_gpt_model(hf: HFModelArgs | str | Path, dims: ParallelDims, *, role: R
             model.eval()
         chunks.append(model)
     return chunks
+
+
+def gather_sequence(hidden: torch.Tensor) -> torch.Tensor:
+    """A sequence-parallel activation [s/tp, b, ...] gathered to [s, b, ...] on every TP rank.
+
+    The backward takes this rank's slice of the incoming gradient, which is right for what mppo puts after it
+    (the value head, the log-prob kernels): each TP rank computes the same gradient there, the vocab-parallel
+    kernels having all-reduced it over TP themselves."""
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

@@ -6,8 +6,10 @@ attention, or megatron-core's local layers as they are.
 - "te": Transformer Engine's layers (CUDA only; an error without CUDA or without the package);
 - "sdpa": megatron-core's local layers with `mppo.models.attention.SDPAttention` as the core attention (fused
   flash / memory-efficient attention on CUDA and CPU, O(s) memory);
-- "local": megatron-core's local layers unchanged; its DotProductAttention materialises [b, heads, s, s] scores.
+- "local": megatron-core's local layers; its DotProductAttention materialises [b, heads, s, s] scores.
   Kept as the reference the SDPA spec is tested against, and selectable.
+Both local-layer specs take their norms from `TorchNorm` (the torch module megatron's WrappedTorchNorm builds, which
+megatron refuses under sequence parallelism).
 
 Each implementation is a builder in `SPEC_BUILDERS` taking the options of megatron's spec functions
 (`get_gpt_layer_local_spec` / `get_gpt_layer_with_transformer_engine_spec`: e.g. num_experts, qk_layernorm), so a
@@ -94,9 +96,40 @@ def _te_spec(**options: Any):
 
 
 def _local_spec(**options: Any):
+    """megatron's local spec, its norms TorchNorm (sequence parallelism; the same torch module otherwise)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **options)
+    return _with_torch_norm(gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **options))
+
+
+class TorchNorm:
+    """megatron's WrappedTorchNorm (torch's RMSNorm or LayerNorm, the same module and numbers) that also builds under
+    sequence parallelism, which megatron's refuses: there each TP rank normalises its slice of the sequence, so the
+    weight's gradient is a partial sum, marked `sequence_parallel` for megatron's finalize_model_grads to all-reduce
+    over TP (as its TE and apex norms are)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        kinds = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}
+        if config.normalization not in kinds or config.layernorm_zero_centered_gamma or config.persist_layer_norm:
+            raise NotImplementedError(f"mppo's torch norm has {sorted(kinds)} without zero-centred gamma or "
+                                      f"persistence, got {config.normalization}; use transformer_impl=te")
+        norm = kinds[config.normalization](hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _with_torch_norm(spec: Any) -> Any:
+    """`spec` (a ModuleSpec tree) with every WrappedTorchNorm replaced by TorchNorm."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec is WrappedTorchNorm:
+        return TorchNorm
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {f.name: _with_torch_norm(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
+        return dataclasses.replace(spec, **{k: v for k, v in changes.items() if v is not getattr(spec, k)})
+    return spec
 
 
 def _sdpa_spec(**options: Any):
@@ -128,11 +161,16 @@ def gpt_decoder_spec(config, transformer_impl: TransformerImpl = "auto", *, num_
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    if num_experts is None or len(moe_layers) == config.num_layers:
-        return gpt_layer_spec(transformer_impl, num_experts=num_experts, **options)
-    dense = gpt_layer_spec(transformer_impl, **options)
-    moe = gpt_layer_spec(transformer_impl, num_experts=num_experts, **options)
+    impl = resolve_transformer_impl(transformer_impl)
+    uniform = num_experts is None or len(moe_layers) == config.num_layers
+    if uniform and impl == "te":
+        return gpt_layer_spec(impl, num_experts=num_experts, **options)
+    dense = gpt_layer_spec(impl, **options)
+    moe = gpt_layer_spec(impl, num_experts=num_experts, **options) if num_experts is not None else dense
+    if uniform:
+        moe_layers = range(config.num_layers) if num_experts is not None else ()
     first = get_transformer_layer_offset(config, vp_stage=vp_stage)
     layers = range(first, first + get_num_layers_to_build(config, vp_stage=vp_stage))
+    # the final norm: TE's with TE layers, else TorchNorm (megatron's default for a block would be WrappedTorchNorm)
     return TransformerBlockSubmodules(layer_specs=[moe if i in moe_layers else dense for i in layers],
-                                      layer_norm=transformer_block.LayerNormImpl)
+                                      layer_norm=transformer_block.LayerNormImpl if impl == "te" else TorchNorm)

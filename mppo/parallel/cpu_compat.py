@@ -239,26 +239,71 @@ def _apply_splits_as_numpy() -> Undo:
     return _set_attr(token_dispatcher, "maybe_move_tensor_to_cpu", move)
 
 
-def _apply_backward_device_mode() -> Undo:
-    """Run the backward of megatron's communication autograd Functions under the CUDA-to-CPU device mode."""
-    from megatron.core.tensor_parallel import mappings
-
+def _backward_under_device_mode(functions: list[type]) -> Undo:
+    """Run the `backward` of these autograd Functions under the CUDA-to-CPU device mode."""
     originals = {}  # Function class -> its own `backward` entry (a staticmethod), put back by undo
-    for value in list(vars(mappings).values()):
-        if isinstance(value, type) and issubclass(value, torch.autograd.Function) and "backward" in vars(value):
-            originals[value] = vars(value)["backward"]
+    for cls in functions:
+        originals[cls] = vars(cls)["backward"]
 
-            def backward(ctx, *grads, _original=originals[value].__func__):
-                with _CudaDeviceToCpuMode():
-                    return _original(ctx, *grads)
+        def backward(ctx, *grads, _original=originals[cls].__func__):
+            with _CudaDeviceToCpuMode():
+                return _original(ctx, *grads)
 
-            value.backward = staticmethod(backward)
+        cls.backward = staticmethod(backward)
 
     def undo() -> None:
         for cls, original in originals.items():
             cls.backward = original
 
     return undo
+
+
+def _apply_backward_device_mode() -> Undo:
+    """Every communication autograd Function of megatron's tensor_parallel/mappings.py."""
+    from megatron.core.tensor_parallel import mappings
+
+    return _backward_under_device_mode(
+        [value for value in list(vars(mappings).values())
+         if isinstance(value, type) and issubclass(value, torch.autograd.Function) and "backward" in vars(value)])
+
+
+def _apply_sequence_parallel_backward() -> Undo:
+    from megatron.core.tensor_parallel import layers
+
+    return _backward_under_device_mode([layers.LinearWithGradAccumulationAndAsyncCommunication])
+
+
+def _apply_uneven_sequence_collectives() -> Undo:
+    """megatron's all-gather / reduce-scatter along the first dimension with per-rank sizes, on gloo: gloo's
+    all_gather needs equal sizes and it has no list reduce_scatter. Equal-size calls go to megatron's own."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1 or dist.get_backend(group) != "gloo":
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        # pad every rank's part to the largest, gather equal parts, cut the padding off again
+        longest = max(output_split_sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[:input_.shape[0]] = input_
+        parts = input_.new_empty((group.size() * longest, *input_.shape[1:]))
+        dist.all_gather_into_tensor(parts, padded.contiguous(), group=group)
+        return torch.cat([parts[i * longest:i * longest + n] for i, n in enumerate(output_split_sizes)])
+
+    def reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1 or dist.get_backend(group) != "gloo":
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        # the sum of every rank's whole tensor, of which this rank keeps its part
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        start = sum(input_split_sizes[:group.rank()])
+        return total[start:start + input_split_sizes[group.rank()]].clone()
+
+    undo_gather = _set_attr(mappings, "_gather_along_first_dim", gather_uneven)
+    undo_reduce_scatter = _set_attr(mappings, "_reduce_scatter_along_first_dim", reduce_scatter_uneven)
+    return lambda: (undo_reduce_scatter(), undo_gather())
 
 
 def _transformer_engine_missing() -> bool:
@@ -337,6 +382,20 @@ PATCHES: tuple[CpuPatch, ...] = (
          "runs with no torch-function mode active, so its new_empty(device=torch.cuda.current_device()) reaches "
          "torch unrewritten; the same holds for every backward in mappings.py",),
         _apply_backward_device_mode,
+    ),
+    CpuPatch(
+        "sequence_parallel_backward",
+        ("tensor_parallel/layers.py LinearWithGradAccumulationAndAsyncCommunication.backward (every TP linear under "
+         "sequence parallelism): torch.empty(device=torch.cuda.current_device()) for the reduce-scattered input "
+         "gradient, in a backward that runs with no torch-function mode active",),
+        _apply_sequence_parallel_backward,
+    ),
+    CpuPatch(
+        "uneven_sequence_collectives",
+        ("tensor_parallel/mappings.py _gather_along_first_dim / _reduce_scatter_along_first_dim with split sizes: "
+         "the MoE token dispatcher under TP gathers and reduce-scatters each TP rank's routed tokens, a different "
+         "count per rank (gloo: 'allgather: invalid tensor size'; no list reduce_scatter)",),
+        _apply_uneven_sequence_collectives,
     ),
     CpuPatch(
         "splits_as_numpy",

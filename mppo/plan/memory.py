@@ -12,9 +12,11 @@ over the expert-data-parallel ranks (DP / EP) by the distributed optimizer, the 
 activations replace the MLP's: each token is dispatched to top-k experts, so with balanced routing an EP rank's
 experts keep k x (their micro-batch's tokens) expert inputs (hidden wide) and k x the SwiGLU intermediates
 (moe_ffn_hidden_size wide), whatever EP is; the router keeps its fp32 scores (tokens x experts).
-Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Table 2,
-the rows for tensor parallelism without sequence parallelism (mppo builds without it):
-  none       s·b·h·(10 + 24/t + 5·a·s/(h·t))   selective  s·b·h·(10 + 24/t)   full  2·s·b·h per layer
+Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Table 2:
+  TP       none  s·b·h·(10 + 24/t + 5·a·s/(h·t))  selective  s·b·h·(10 + 24/t)  full  2·s·b·h  per layer
+  TP + SP  none  s·b·h·(34/t + 5·a·s/(h·t))       selective  s·b·h·34/t         full  2·s·b·h/t
+(sequence parallelism splits what TP alone replicates: the norms' inputs and those of the QKV projection and fc1;
+megatron's SP linears keep their input's sequence slice and all-gather it again in the backward)
 (bytes, 16-bit activations), itemised so that it holds for this architecture: the paper's GeLU MLP (4h in, 4h out)
 becomes SwiGLU (2F fc1 output + F fc2 input), its K/V become GQA's g heads, dropout masks are dropped (mppo's
 models use dropout 0), and the s² attention-score term exists only with unfused (local) attention: Transformer
@@ -58,6 +60,7 @@ class RoleLayout:
     micro_batches_per_step: int  # micro-batches per mini-batch on one DP rank (pipeline warm-up bound)
     trains: bool
     offloaded: bool  # weights live in host memory between uses (ref.offload_to_cpu)
+    sp: bool = False  # sequence parallelism (megatron.sequence_parallel): the TP-replicated activations split too
     ep: int = 1  # expert parallel size (MoE): each rank holds num_experts / ep experts of every MoE layer
 
 
@@ -195,20 +198,22 @@ def model_state(a: HFModelArgs, lay: RoleLayout, prec: Precision, stage: int) ->
 
 # --------------------------------------------------------------------------------------------------- activations
 def layer_activation_bytes(a: HFModelArgs, tp: int, seq: int, batch: float, prec: Precision,
-                           recompute: str, *, moe: bool = False) -> float:
-    """Bytes one layer (`moe`: a MoE layer) keeps for the backward of one micro-batch [batch x seq] (see the
-    module docstring)."""
+                           recompute: str, *, moe: bool = False, sp: bool = False) -> float:
+    """Bytes one layer (`moe`: a MoE layer; `sp`: under sequence parallelism) keeps for the backward of one
+    micro-batch [batch x seq] (see the module docstring)."""
     sb, e, h = seq * batch, prec.act_bytes, a.hidden_size
+    split = tp if sp else 1  # what TP alone replicates, SP splits along the sequence
     if recompute == "full":
-        return sb * h * e  # only the layer input; the rest is recomputed
-    if moe:  # fc1's input: the k dispatched copies of each token (and the router's fp32 scores); fc1 output and
-        # fc2 input: k x the expert width
-        fc1_input = a.moe_topk * sb * h * e + sb * (a.num_experts or 0) * FP32
+        return sb * h * e / split  # only the layer input; the rest is recomputed
+    if moe:  # fc1's input: the k dispatched copies of each token, gathered over TP for the TP-split experts (so
+        # not split by SP), and the router's fp32 scores; fc1 output and fc2 input: k x the expert width
+        fc1_input = a.moe_topk * sb * h * e + sb * (a.num_experts or 0) * FP32 / split
         mlp = 3 * a.moe_topk * sb * (a.moe_ffn_hidden_size or 0)
     else:
-        fc1_input, mlp = sb * h * e, 3 * sb * a.ffn_hidden_size
-    # replicated over TP: inputs of the two norms, of the QKV projection and of fc1 (MoE: and the router scores)
-    replicated = 3 * sb * h * e + fc1_input
+        fc1_input, mlp = sb * h * e / split, 3 * sb * a.ffn_hidden_size
+    # replicated over TP (split over it by SP): inputs of the two norms, of the QKV projection and of fc1 (MoE: the
+    # dispatched tokens and the router scores)
+    replicated = 3 * sb * h * e / split + fc1_input
     # split over TP: Q, K, V; the attention output (out-projection input); SwiGLU's fc1 output and fc2 input
     qkv = sb * a.head_dim * (a.num_attention_heads + 2 * a.num_query_groups)
     sharded = (qkv + sb * a.num_attention_heads * a.head_dim + mlp) * e / tp
@@ -236,18 +241,18 @@ def training_activations(a: HFModelArgs, lay: RoleLayout, prec: Precision, seq: 
     layers = stage_layers(a, lay, stage)
     # a layer's mean over the stage's layers (dense and MoE layers differ)
     stored = sum(layer_activation_bytes(a, lay.tp, seq, lay.micro_batch, prec, lay.recompute,
-                                        moe=i in a.moe_layers) for i in layers) / len(layers)
+                                        moe=i in a.moe_layers, sp=lay.sp) for i in layers) / len(layers)
     per_micro = stored * a.num_layers / lay.pp
     peak = stored * layers_in_flight(a, lay, stage)
     if lay.recompute == "full":  # the backward recomputes one layer with everything kept
-        peak += max(layer_activation_bytes(a, lay.tp, seq, lay.micro_batch, prec, "none", moe=i in a.moe_layers)
-                    for i in layers)
+        peak += max(layer_activation_bytes(a, lay.tp, seq, lay.micro_batch, prec, "none", moe=i in a.moe_layers,
+                                           sp=lay.sp) for i in layers)
     return per_micro, peak
 
 
-def forward_only_bytes(a: HFModelArgs, tp: int, seq: int, batch: float, prec: Precision) -> float:
+def forward_only_bytes(a: HFModelArgs, tp: int, seq: int, batch: float, prec: Precision, sp: bool = False) -> float:
     """Transient working set of a no-grad forward: about one layer's intermediate tensors (the larger kind)."""
-    return max(layer_activation_bytes(a, tp, seq, batch, prec, "none", moe=moe)
+    return max(layer_activation_bytes(a, tp, seq, batch, prec, "none", moe=moe, sp=sp)
                for moe in {i in a.moe_layers for i in range(a.num_layers)})
 
 

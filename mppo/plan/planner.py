@@ -202,7 +202,8 @@ def _layouts(cfg: MppoConfig, world: int, seq: int) -> list[mem.RoleLayout]:
             role=role, tp=tp, pp=pp, vpp=m.virtual_pipeline_model_parallel_size, dp=dp,
             distributed_optimizer=bool(m.use_distributed_optimizer), recompute=m.recompute, micro_batch=micro,
             forward_micro_batch=fwd, micro_batches_per_step=max(1, int(per_rank // max(micro or fwd, 1))),
-            trains=trains, offloaded=role == "ref" and arr.ref.offload_to_cpu, ep=ep))
+            trains=trains, offloaded=role == "ref" and arr.ref.offload_to_cpu, ep=ep,
+            sp=m.uses_sequence_parallel() and tp > 1))
     return out
 
 
@@ -217,7 +218,7 @@ def _role_plan(a: HFModelArgs, lay: mem.RoleLayout, prec: mem.Precision, seq: in
         per_micro, peak = mem.training_activations(a, lay, prec, seq, stage)
         logits = mem.logprob_bytes(a, lay.tp, lay.micro_batch * seq, prec, fused) if lay.role == "actor" else 0
         phases[f"update_{lay.role}"] = peak + (logits if last else 0)
-    fwd = mem.forward_only_bytes(a, lay.tp, seq, lay.forward_micro_batch, prec)
+    fwd = mem.forward_only_bytes(a, lay.tp, seq, lay.forward_micro_batch, prec, sp=lay.sp)
     if last and lay.role != "critic":
         fwd += mem.logprob_bytes(a, lay.tp, lay.forward_micro_batch * seq, prec, fused)
     phases[FORWARD_PHASE[lay.role]] = fwd + state.host_weights  # an offloaded ref is swapped in to run

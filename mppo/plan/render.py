@@ -10,7 +10,7 @@ from mppo.plan.planner import Plan, RolePlan
 MiB = 1 << 20
 PHASE_TEXT = {"update_actor": "actor update", "update_critic": "critic update", "old_log_prob": "old log-probs",
               "ref": "reference log-probs", "values": "critic values"}
-SOURCES = ("Korthikanti et al. 2022 activation formulas (TP without sequence parallelism), megatron DDP with "
+SOURCES = ("Korthikanti et al. 2022 activation formulas (TP, and TP + sequence parallelism), megatron DDP with "
            "fp32 main grads, Adam with fp32 master weights, SGLang KV sizing by mem_fraction_static")
 
 

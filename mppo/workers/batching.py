@@ -94,13 +94,14 @@ class MicroBatch:
         return self.data["input_ids"].numel()
 
 
-def make_micro_batch(batch: Batch, rows: torch.Tensor) -> MicroBatch:
-    """Compact rows `rows` of a (validated) batch into one right-padded micro-batch."""
+def make_micro_batch(batch: Batch, rows: torch.Tensor, length_multiple: int = 1) -> MicroBatch:
+    """Compact rows `rows` of a (validated) batch into one right-padded micro-batch, as long as its longest row
+    rounded up to a multiple of `length_multiple`."""
     ids, mask = batch["input_ids"][rows], batch["attention_mask"][rows].bool()
     b, width = ids.shape
     t = batch["responses"].shape[1]
     dest = mask.long().cumsum(1) - 1  # compacted column of each attended token
-    length = int(mask.sum(1).max())
+    length = -(-int(mask.sum(1).max()) // length_multiple) * length_multiple
     compact = torch.zeros(b, length, dtype=ids.dtype, device=ids.device)
     row_of = torch.arange(b, device=ids.device)[:, None].expand(b, width)
     compact[row_of[mask], dest[mask]] = ids[mask]
@@ -222,8 +223,10 @@ def split_to_multiple(groups: list[torch.Tensor], multiple: int) -> list[torch.T
 
 
 def make_micro_batches(batch: Batch, rows: torch.Tensor, *, micro_batch_size: int | None = None,
-                       max_token_len: int | None = None, multiple_of: int = 1) -> list[MicroBatch]:
-    """Micro-batches over `rows`: by count (`micro_batch_size`) or by token budget (`max_token_len`)."""
+                       max_token_len: int | None = None, multiple_of: int = 1,
+                       length_multiple: int = 1) -> list[MicroBatch]:
+    """Micro-batches over `rows`: by count (`micro_batch_size`) or by token budget (`max_token_len`), a multiple
+    of `multiple_of` of them, each as long as a multiple of `length_multiple`."""
     if (micro_batch_size is None) == (max_token_len is None):
         raise ValueError("give exactly one of micro_batch_size (by count) and max_token_len (token budget)")
     if micro_batch_size is not None:
@@ -234,7 +237,7 @@ def make_micro_batches(batch: Batch, rows: torch.Tensor, *, micro_batch_size: in
     else:
         lengths = batch["attention_mask"].bool().sum(1).cpu()  # host copy: grouping reads it row by row
         groups = split_to_multiple(split_by_tokens(rows, lengths, max_token_len), multiple_of)
-    return [make_micro_batch(batch, g) for g in groups]
+    return [make_micro_batch(batch, g, length_multiple) for g in groups]
 
 
 def pad_to_uniform(micro_batches: Sequence[MicroBatch]) -> list[dict[str, torch.Tensor]]:

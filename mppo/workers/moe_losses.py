@@ -36,9 +36,8 @@ TRACKED = {"load_balancing_loss": "moe_aux_loss", "z_loss": "moe_z_loss"}
 def moe_loss_overrides(megatron: MegatronConfig, *, is_moe: bool) -> dict:
     """TransformerConfig kwargs for the role's MoE losses ({} when both are off).
 
-    megatron-core refuses to train a MoE model under TP without sequence parallelism (which mppo does not build
-    yet), so these losses only train at TP 1; under sequence parallelism megatron splits the aux loss over the TP
-    ranks' token shards, which `MoELossMeter` sums back.
+    megatron-core trains a MoE model under TP only with sequence parallelism; there each TP rank computes both
+    losses over its slice of the tokens, which `MoELossMeter` combines again.
     """
     overrides = megatron.override_transformer_config
     aux, z = overrides.moe_aux_loss_coeff or 0.0, overrides.moe_z_loss_coeff or 0.0
@@ -104,8 +103,11 @@ class MoELossMeter:
             values = tracker[name]["values"].detach().double().sum() if name in tracker else torch.zeros((),
                                                                                                       dtype=torch.float64)
             total = (values / max(self.forwards, 1)).reshape(1).to(self.device)
-            if name == "load_balancing_loss":  # under sequence parallelism each TP rank tracks its tokens' share
-                dist.all_reduce(total, group=ps.get_tensor_model_parallel_group())
+            # under sequence parallelism each TP rank tracks its own tokens: its share of the Switch loss (a sum
+            # over TP), the mean z-loss over them (averaged over TP)
+            dist.all_reduce(total, group=ps.get_tensor_model_parallel_group())
+            if name == "z_loss":
+                total = total / ps.get_tensor_model_parallel_world_size()
             dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())  # the stages' layers
             dist.all_reduce(total, group=ps.get_data_parallel_group())
             out[f"{self.prefix}/{suffix}"] = float(total) / ps.get_data_parallel_world_size() / self.num_moe_layers

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mppo.models.builders import unwrap_model
+from mppo.models.builders import gather_sequence, unwrap_model
 from mppo.parallel import collective_device
 from mppo.workers.batching import TOKEN_COUNTER, MicroBatch, make_micro_batches, pad_to_uniform, scatter_rows
 from mppo.workers.router_replay import replaying, require_routes
@@ -142,8 +142,12 @@ def _final_hidden_states(model: nn.Module):
 def stage_forward(model: nn.Module, input_ids: torch.Tensor, *, hidden_only: bool) -> torch.Tensor:
     """One chunk's forward on a right-padded micro-batch (positions 0..s-1, causal attention)."""
     position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    with _final_hidden_states(model) if hidden_only else contextlib.nullcontext():
+    if not hidden_only:
         return model(input_ids, position_ids, None)
+    with _final_hidden_states(model):
+        hidden = model(input_ids, position_ids, None)
+    # under sequence parallelism the decoder's output is this TP rank's slice of the sequence
+    return gather_sequence(hidden) if unwrap_model(model).config.sequence_parallel else hidden
 
 
 def response_forward_step(make_loss_fn: Callable[[nn.Module, Batch], LossFn], *, hidden_only: bool) -> ForwardStep:
@@ -162,11 +166,20 @@ def response_forward_step(make_loss_fn: Callable[[nn.Module, Batch], LossFn], *,
 
 def micro_batches_for(batch: Batch, rows: torch.Tensor, model_chunks: Sequence[nn.Module], *,
                       micro_batch_size: int | None, max_token_len: int | None) -> list[MicroBatch]:
-    """Micro-batches of `rows`, a multiple of PP of them for the interleaved schedule."""
+    """Micro-batches of `rows`, a multiple of PP of them for the interleaved schedule, each as long as a multiple
+    of `sequence_multiple` of the model."""
     vpp = len(model_chunks) > 1
-    pp = model_chunks[0].config.pipeline_model_parallel_size
+    config = unwrap_model(model_chunks[0]).config
     return make_micro_batches(batch, rows, micro_batch_size=micro_batch_size, max_token_len=max_token_len,
-                              multiple_of=pp if vpp else 1)
+                              multiple_of=config.pipeline_model_parallel_size if vpp else 1,
+                              length_multiple=sequence_multiple(config))
+
+
+def sequence_multiple(config) -> int:
+    """What a micro-batch's length must be a multiple of: TP under sequence parallelism (each TP rank holds s / TP
+    positions). The micro-batches are right-padded up to it: padding after a row's tokens changes nothing before
+    it (causal attention), and lengths vary from batch to batch, so refusing them is no option."""
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
 
 def pipeline_inputs(model_chunks: Sequence[nn.Module], micro_batches: Sequence[MicroBatch], *,

@@ -85,6 +85,13 @@ def replaying(model: nn.Module, data: Mapping[str, torch.Tensor]) -> Iterator[No
 
     b, s, _, k = routes.shape
     device = data["input_ids"].device
+    config = unwrap_model(model).config
+    if config.sequence_parallel:  # this TP rank routes its slice of the sequence only
+        from megatron.core import parallel_state as ps
+
+        part = s // config.tensor_model_parallel_size
+        start = ps.get_tensor_model_parallel_rank() * part
+        routes, s = routes[:, start:start + part], part
     for router, moe_index in routers:
         # megatron routes the [s, b] tokens flattened s-major: token (column c, row r) is entry c * b + r
         target = routes[:, :, moe_index].transpose(0, 1).reshape(s * b, k).to(device=device, dtype=torch.int64)

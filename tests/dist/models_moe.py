@@ -1,7 +1,8 @@
 """torchrun script (4 CPU ranks, gloo): Qwen3 dense and Qwen3-MoE as megatron models vs HF transformers, at TP1,
 TP2, PP2, EP2, TP2 x EP2, EP2 x PP2 and EP4; HF -> megatron -> HF bitwise with experts on several EP ranks (every
 rank a destination, and one destination through both transports); `mppo convert --ep` and an EP2 x PP2 dist
-checkpoint loaded at EP1; gradients through the MoE layers vs HF autograd.
+checkpoint loaded at EP1; gradients through the MoE layers vs HF autograd, also at TP2 x EP2 with sequence
+parallelism (training mode: megatron's MoE layers train under TP only with it).
 
 One launch runs every case and writes out/rank{R}.json; tests/test_models_moe.py asserts on them. References are
 independent of the code under test: HF transformers' forward and autograd, the original safetensors files.
@@ -66,6 +67,12 @@ def moe_grad_diff(chunks, batches, args, hf) -> float:
                 continue
             hf_layer = hf.model.layers[layer.layer_number - 1].mlp
             got, ref = layer.mlp.router.weight.grad, hf_layer.gate.weight.grad
+            if layer.config.sequence_parallel:  # each TP rank routed its slice of the sequence: a partial sum,
+                # which megatron's finalize_model_grads all-reduces over TP (the router weight is marked for it)
+                from megatron.core import parallel_state as ps
+                assert getattr(layer.mlp.router.weight, "sequence_parallel", False)
+                got = got.clone()
+                dist.all_reduce(got, group=ps.get_tensor_model_parallel_group())
             diffs.append(((got - ref).abs().max() / ref.abs().max()).item())
             experts = layer.mlp.local_expert_indices
             if 3 in experts:  # HF keeps the experts' weights as [experts, out, in]; TP splits down_proj's input
@@ -135,6 +142,14 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
             res[f"{key}/{name}/entropy"] = max_diff(lp, refs[name], "entropy")
             if name == "qwen3_moe" and tp == 1:
                 res[f"{key}/{name}/grad"] = moe_grad_diff(chunks, batches[name], args, hf_models[name])
+            if name == "qwen3_moe" and tp > 1:  # megatron trains MoE layers under TP only with sequence parallelism
+                sp_key = f"{key}sp/{name}"
+                chunks = build_gpt_model(args, dims, role="actor", sequence_parallel=True)
+                load_hf_weights(chunks, work / name, args)
+                lp = token_logprobs(chunks, batches[name], vocab_size=args.vocab_size, temperature=TEMPERATURE)
+                res[f"{sp_key}/log_probs"] = max_diff(lp, refs[name], "log_probs")
+                res[f"{sp_key}/entropy"] = max_diff(lp, refs[name], "entropy")
+                res[f"{sp_key}/grad"] = moe_grad_diff(chunks, batches[name], args, hf_models[name])
 
             if layout in ((1, 2, 2), (2, 1, 2)) or (layout == (1, 2, 1) and name == "qwen3_tied"):
                 exported = dict(iter_hf_weights(chunks, args))
@@ -188,7 +203,8 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
 
 
 # The CPU patches only MoE layers need; tests/dist/models_parallel.py probes the others.
-MOE_CPU_PATCHES = ("cuda_streams", "backward_device_mode", "splits_as_numpy", "te_general_gemm")
+MOE_CPU_PATCHES = ("cuda_streams", "backward_device_mode", "uneven_sequence_collectives", "splits_as_numpy",
+                   "te_general_gemm")
 
 
 def cpu_compat_cases(res, args) -> None:
@@ -214,7 +230,19 @@ def cpu_compat_cases(res, args) -> None:
         forward(build_gpt_model(args, dims)[0])
 
     model = build_gpt_model(args, dims)[0]
+
+    def uneven_gather_and_reduce_scatter() -> None:  # what the MoE dispatcher does over TP, here over the EP pair
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import mappings
+
+        group, sizes = ps.get_expert_model_parallel_group(), [1, 2]
+        mine = torch.ones(sizes[group.rank()], 2)
+        assert mappings._gather_along_first_dim(mine, group, output_split_sizes=sizes).shape == (3, 2)
+        summed = mappings._reduce_scatter_along_first_dim(torch.ones(3, 2), group, input_split_sizes=sizes)
+        assert torch.equal(summed, torch.full((sizes[group.rank()], 2), 2.0))
+
     probes = {
+        "uneven_sequence_collectives": uneven_gather_and_reduce_scatter,
         "cuda_streams": build_and_forward,
         "backward_device_mode": lambda: forward(model, backward=True),
         "splits_as_numpy": lambda: forward(model),

@@ -310,7 +310,18 @@ def cpu_compat_cases(res, args, hf_dir) -> None:
 
     param = torch.nn.Parameter(torch.ones(3))
     param.grad = torch.ones(3)
+
+    def sequence_parallel_linear() -> None:  # a TP linear's forward and backward under SP (TP group of 1)
+        from megatron.core.parallel_state import get_tensor_model_parallel_group
+        from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
+
+        x, w = torch.ones(4, 1, 3, requires_grad=True), torch.ones(2, 3, requires_grad=True)
+        linear_with_grad_accumulation_and_async_allreduce(
+            x, w, None, gradient_accumulation_fusion=False, allreduce_dgrad=False, sequence_parallel=True,
+            tp_group=get_tensor_model_parallel_group()).sum().backward()
+
     probes = {
+        "sequence_parallel_backward": sequence_parallel_linear,
         "cuda_device_to_cpu": forward,
         "cuda_current_device": forward,
         "cuda_synchronize": lambda: P2PCommunicator(get_pipeline_model_parallel_group(), model.config)

@@ -1,6 +1,6 @@
 """torchrun script (2 CPU ranks, gloo): megatron-core's MoE router losses as mppo switches them on
-(mppo.workers.moe_losses), at DP2, EP2 and PP2, and routing replay (mppo.workers.router_replay), at DP2, EP2, TP2
-and PP2, on a tiny Qwen3-MoE (4 experts, top-2, 3 MoE layers and a dense one), against HF transformers.
+(mppo.workers.moe_losses), and routing replay (mppo.workers.router_replay), at DP2, EP2, PP2 and TP2 with sequence
+parallelism, on a tiny Qwen3-MoE (4 experts, top-2, 3 MoE layers and a dense one), against HF transformers.
 
 Replay: a batch in the workers' contract (left-padded prompts) carries random routes by column; the actor's
 log-probs (mppo.workers.logprob, micro-batches compacted by mppo.workers.batching) with the routes replayed equal
@@ -29,10 +29,9 @@ from dist_util import rank_main  # noqa: E402
 from models_fixtures import load_hf_model, make_hf_model  # noqa: E402
 from models_parallel import micro_batches  # noqa: E402
 
-# megatron-core refuses MoE layers in training mode under TP without sequence parallelism (mppo's actor at TP 2)
-LAYOUTS = {"dp2": (1, 1, 1), "ep2": (1, 1, 2), "pp2": (1, 2, 1)}  # name -> (tp, pp, ep)
-# megatron-core refuses to train MoE layers under TP without sequence parallelism: the losses train at TP 1
-LOSS_LAYOUTS = ("dp2", "ep2", "pp2")
+# name -> (tp, pp, ep); megatron-core trains MoE layers under TP only with sequence parallelism: tp2sp has it
+LAYOUTS = {"dp2": (1, 1, 1), "ep2": (1, 1, 2), "pp2": (1, 2, 1), "tp2sp": (2, 1, 1)}
+LOSS_LAYOUTS = ("dp2", "ep2", "pp2", "tp2sp")
 AUX, Z = 0.3, 0.05
 COEFFS = {"aux_and_z": (AUX, Z), "aux_only": (AUX, 0.0), "off": (0.0, 0.0)}
 MODEL = "qwen3_moe"
@@ -100,11 +99,14 @@ def run_case(work: Path, hf, args, layout, coeffs, res: dict, key: str) -> None:
     tp, pp, ep = layout
     dims = init_distributed(tp, pp, ep=ep)
     megatron = replace(actor_megatron_defaults(), override_transformer_config=TransformerOverrides(*coeffs))
-    chunks = build_gpt_model(args, dims, role="actor",
+    chunks = build_gpt_model(args, dims, role="actor", sequence_parallel=tp > 1,
                              **moe_loss_overrides(megatron, is_moe=True))
     load_hf_weights(chunks, work / MODEL, args)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per_dp = [micro_batches(args.vocab_size, seed=40 + r) for r in range(dp)]
+    if tp > 1:  # sequence parallelism splits each micro-batch's sequence over the TP ranks: even lengths
+        per_dp = [[{"input_ids": mb["input_ids"][:, :mb["input_ids"].shape[1] // tp * tp]} for mb in mbs]
+                  for mbs in per_dp]
 
     meter = MoELossMeter.start(chunks, "actor")
     for c in chunks:
@@ -134,7 +136,9 @@ def run_case(work: Path, hf, args, layout, coeffs, res: dict, key: str) -> None:
             if not hasattr(layer.mlp, "router"):
                 continue
             got = layer.mlp.router.weight.grad
-            got = torch.zeros_like(layer.mlp.router.weight) if got is None else got
+            got = torch.zeros_like(layer.mlp.router.weight) if got is None else got.clone()
+            if layer.config.sequence_parallel:  # a partial sum over this TP rank's tokens, as finalize_model_grads
+                dist.all_reduce(got, group=ps.get_tensor_model_parallel_group())  # sums it
             ref = hf.model.layers[layer.layer_number - 1].mlp.gate.weight.grad
             ref = torch.zeros_like(got) if ref is None else ref
             worst = max(worst, float((got - ref).abs().max()))
@@ -183,7 +187,8 @@ def replay_case(work: Path, hf, args, layout, res: dict, key: str) -> None:
 
     tp, pp, ep = layout
     dims = init_distributed(tp, pp, ep=ep)
-    chunks = build_gpt_model(args, dims, role="actor", **router_replay_overrides("R3", is_moe=True))
+    chunks = build_gpt_model(args, dims, role="actor", sequence_parallel=tp > 1,
+                             **router_replay_overrides("R3", is_moe=True))
     load_hf_weights(chunks, work / MODEL, args)
     batch = make_batch(args.vocab_size, seed=3)
     g = torch.Generator().manual_seed(9)

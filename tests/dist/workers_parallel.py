@@ -94,6 +94,7 @@ class Cases:
     # ---------------------------------------------------------------------------------------- actor
     def actor_layouts(self) -> None:
         from mppo.config.schema import ModelConfig, RefConfig
+        from mppo.models.builders import unwrap_model
         from mppo.parallel import destroy, init_distributed
         from mppo.workers.actor import ActorWorker
         from mppo.workers.reference import ReferenceWorker
@@ -109,6 +110,7 @@ class Cases:
                                 self.work / "actor", total_steps=4)
             outs = actor.compute_log_prob_outputs(shard, temperature=TEMPERATURE, calculate_entropy=True)
             lp, ent = outs["log_probs"], outs["entropy"]
+            self.res[f"{key}/sequence_parallel"] = unwrap_model(actor.model[0]).config.sequence_parallel
             self.res[f"{key}/log_probs_vs_hf"] = (lp - hf_lp).abs().max().item()
             self.res[f"{key}/entropy_vs_hf"] = (ent - self.hf_ent[dims.dp_rank::dims.dp]).abs().max().item()
             if key == "tp2pp2":
@@ -118,6 +120,12 @@ class Cases:
                                     self.work / "actor", total_steps=4)
                 nlp = naive.compute_log_prob(shard, temperature=TEMPERATURE, micro_batch_size=3)
                 self.res[f"{key}/naive_vs_fused"] = (nlp - lp).abs().max().item()
+                no_sp = actor_config(tp, pp, vpp)
+                no_sp.megatron.sequence_parallel = False
+                plain = ActorWorker(ModelConfig(), no_sp, dims, self.work / "actor", total_steps=4)
+                self.res[f"{key}/plain_tp_sequence_parallel"] = unwrap_model(plain.model[0]).config.sequence_parallel
+                self.res[f"{key}/plain_tp_vs_sp"] = (plain.compute_log_prob(shard, temperature=TEMPERATURE)
+                                                     - lp).abs().max().item()
                 ref = ReferenceWorker(ModelConfig(), RefConfig(log_prob_micro_batch_size_per_gpu=2), dims,
                                       self.work / "actor", logprob_impl="fused", kernel_backend="torch")
                 rlp = ref.compute_log_prob(shard, temperature=TEMPERATURE)
