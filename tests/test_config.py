@@ -300,14 +300,16 @@ def test_world_size_must_match_the_launch():
 
 
 def test_sequence_parallel_is_on_iff_tp_and_needs_tp():
+    from mppo.config.decisions import uses_sequence_parallel
+
     cfg = load(f"{ACTOR}.megatron.tensor_model_parallel_size=2")
     assert cfg.actor_rollout_ref.actor.megatron.sequence_parallel is None  # null: on iff TP > 1 (veRL's default)
-    assert cfg.actor_rollout_ref.actor.megatron.uses_sequence_parallel()
-    assert cfg.critic.megatron.uses_sequence_parallel()
-    assert not load().actor_rollout_ref.actor.megatron.uses_sequence_parallel()  # TP 1
+    assert uses_sequence_parallel(cfg.actor_rollout_ref.actor.megatron)
+    assert uses_sequence_parallel(cfg.critic.megatron)
+    assert not uses_sequence_parallel(load().actor_rollout_ref.actor.megatron)  # TP 1
     off = load(f"{ACTOR}.megatron.tensor_model_parallel_size=2", f"{ACTOR}.megatron.sequence_parallel=false")
-    assert not off.actor_rollout_ref.actor.megatron.uses_sequence_parallel()
-    assert not off.critic.megatron.uses_sequence_parallel()  # inherits the actor's false
+    assert not uses_sequence_parallel(off.actor_rollout_ref.actor.megatron)
+    assert not uses_sequence_parallel(off.critic.megatron)  # inherits the actor's false
     message = error_of(f"{ACTOR}.megatron.sequence_parallel=true")
     assert message.startswith(f"{ACTOR}.megatron.sequence_parallel = true: sequence parallelism splits the sequence "
                               "over the TP ranks, and TP is 1")

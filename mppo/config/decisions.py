@@ -2,7 +2,7 @@
 predicts what the trainer will do)."""
 from __future__ import annotations
 
-from mppo.config.schema import MppoConfig
+from mppo.config.schema import MegatronConfig, MppoConfig
 
 
 def off_policy_update(cfg: MppoConfig) -> str:
@@ -82,3 +82,11 @@ def old_log_prob_source(cfg: MppoConfig) -> str | None:
         return "from the rollout engine (rollout correction bypass mode)"
     reuse, why_not = old_log_prob_reuse(cfg)
     return "from the actor update's forward (on-policy step)" if reuse else f"recomputed before the update: {why_not}"
+
+
+def uses_sequence_parallel(megatron: MegatronConfig) -> bool:
+    """Whether a role's models are built with sequence parallelism: `megatron.sequence_parallel`, where null means
+    on iff TP > 1 (veRL's default)."""
+    if megatron.sequence_parallel is not None:
+        return megatron.sequence_parallel
+    return (megatron.tensor_model_parallel_size or 1) > 1

@@ -88,12 +88,6 @@ class MegatronConfig:
     # TransformerConfig overrides (MoE aux losses; the ref never trains, so only the actor and critic use them)
     override_transformer_config: TransformerOverrides = field(default_factory=TransformerOverrides)
 
-    def uses_sequence_parallel(self) -> bool:
-        """Whether the role's models are built with sequence parallelism (`sequence_parallel`, null = TP > 1)."""
-        if self.sequence_parallel is not None:
-            return self.sequence_parallel
-        return (self.tensor_model_parallel_size or 1) > 1
-
 
 def actor_megatron_defaults() -> MegatronConfig:
     return MegatronConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,

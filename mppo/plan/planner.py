@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mppo.config import MppoConfig, get_key, resolve
-from mppo.config.decisions import old_log_prob_pass, uses_critic, uses_reference
+from mppo.config.decisions import old_log_prob_pass, uses_critic, uses_reference, uses_sequence_parallel
 from mppo.models.hf_config import HFModelArgs
 from mppo.plan import memory as mem
 from mppo.plan.catalog import DEVICES, DeviceSpec, GiB
@@ -203,7 +203,7 @@ def _layouts(cfg: MppoConfig, world: int, seq: int) -> list[mem.RoleLayout]:
             distributed_optimizer=bool(m.use_distributed_optimizer), recompute=m.recompute, micro_batch=micro,
             forward_micro_batch=fwd, micro_batches_per_step=max(1, int(per_rank // max(micro or fwd, 1))),
             trains=trains, offloaded=role == "ref" and arr.ref.offload_to_cpu, ep=ep,
-            sp=m.uses_sequence_parallel() and tp > 1))
+            sp=uses_sequence_parallel(m) and tp > 1))
     return out
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mppo.config.decisions import uses_sequence_parallel
 from mppo.config.schema import MegatronConfig, ModelConfig
 from mppo.models.builders import Role, build_gpt_model, unwrap_model
 from mppo.models.hf_config import HFModelArgs, read_hf_config
@@ -68,7 +69,7 @@ def build_role_model(hf_dir: str | Path, dims: ParallelDims, *, role: Role, mode
     dtype = resolve_dtype(model_cfg, dims)
     losses = moe_loss_overrides(megatron, is_moe=args.is_moe) if role != "ref" else {}
     chunks = build_gpt_model(args, dims, role=role, dtype=dtype, transformer_impl=model_cfg.transformer_impl,
-                             sequence_parallel=megatron.uses_sequence_parallel() and dims.tp > 1,
+                             sequence_parallel=uses_sequence_parallel(megatron) and dims.tp > 1,
                              **recompute_overrides(megatron.recompute, dims.device), **losses,
                              **router_replay_overrides(router_replay, is_moe=args.is_moe))
     load_hf_weights(chunks, hf_dir, args)
