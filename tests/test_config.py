@@ -315,6 +315,53 @@ def test_sequence_parallel_is_on_iff_tp_and_needs_tp():
                               "over the TP ranks, and TP is 1")
 
 
+def test_overlap_is_on_iff_nccl_and_what_megatron_needs():
+    from mppo.config.decisions import uses_overlap_grad_reduce, uses_overlap_param_gather
+
+    cfg = load()
+    actor, critic = cfg.actor_rollout_ref.actor.megatron, cfg.critic.megatron
+    assert actor.overlap_grad_reduce is None and actor.overlap_param_gather is None  # null: by the backend
+    for m in (actor, critic):  # the critic inherits the actor's nulls
+        assert uses_overlap_grad_reduce(m, "nccl") and uses_overlap_param_gather(m, "nccl")
+        assert not uses_overlap_grad_reduce(m, "gloo") and not uses_overlap_param_gather(m, "gloo")
+    plain = load(f"{ACTOR}.megatron.use_distributed_optimizer=false").actor_rollout_ref.actor.megatron
+    assert uses_overlap_grad_reduce(plain, "nccl") and not uses_overlap_param_gather(plain, "nccl")
+    no_reduce = load(f"{ACTOR}.megatron.overlap_grad_reduce=false").critic.megatron
+    assert not uses_overlap_param_gather(no_reduce, "nccl")  # megatron overlaps the gather only with it
+    gather = load(f"{ACTOR}.megatron.overlap_param_gather=true").critic.megatron
+    assert uses_overlap_grad_reduce(gather, "gloo") and uses_overlap_param_gather(gather, "gloo")
+    message = error_of(f"{ACTOR}.megatron.overlap_param_gather=true",
+                       f"{ACTOR}.megatron.use_distributed_optimizer=false")
+    assert message.startswith(f"{ACTOR}.megatron.overlap_param_gather = true: it overlaps the distributed "
+                              "optimizer's parameter all-gather, and use_distributed_optimizer is false; set ")
+    message = error_of("critic.megatron.overlap_param_gather=true", "critic.megatron.overlap_grad_reduce=false")
+    assert message.startswith("critic.megatron.overlap_param_gather = true: megatron-core overlaps the parameter "
+                              "all-gather only with overlap_grad_reduce, which is false; set ")
+
+
+def test_expert_tensor_parallel_is_tp_by_default_and_must_fit():
+    from mppo.config.decisions import expert_tensor_parallel_size
+
+    cfg = load(f"{ACTOR}.megatron.tensor_model_parallel_size=2")
+    assert expert_tensor_parallel_size(cfg.actor_rollout_ref.actor.megatron) == 2  # null: TP, megatron's default
+    etp1 = load(f"{ACTOR}.megatron.tensor_model_parallel_size=2", f"{ACTOR}.megatron.expert_tensor_parallel_size=1",
+                f"{ACTOR}.megatron.expert_model_parallel_size=8")  # EP over TP x DP: ETP x EP = 8 ranks
+    assert expert_tensor_parallel_size(etp1.critic.megatron) == 1
+    message = error_of(f"{ACTOR}.megatron.tensor_model_parallel_size=2", f"{ACTOR}.megatron.expert_tensor_parallel_size=1",
+                       f"{ACTOR}.megatron.expert_model_parallel_size=3")
+    assert message.startswith(f"{ACTOR}.megatron.expert_tensor_parallel_size = 1: ETP x EP = 1 x 3 = 3 does not "
+                              "divide the 8 ranks of a pipeline stage")
+    message = error_of(f"{ACTOR}.megatron.expert_tensor_parallel_size=0")
+    assert message.startswith(f"{ACTOR}.megatron.expert_tensor_parallel_size = 0: must be >= 1")
+    from mppo.config.validate import check_shared_layout
+
+    check_shared_layout(load("critic.megatron.expert_tensor_parallel_size=2",
+                             f"{ACTOR}.megatron.tensor_model_parallel_size=2"))  # = the actor's TP
+    with pytest.raises(ConfigError, match="critic.megatron.expert_tensor_parallel_size=1 differs from the actor's 2"):
+        check_shared_layout(load("critic.megatron.expert_tensor_parallel_size=1",
+                                 f"{ACTOR}.megatron.tensor_model_parallel_size=2"))
+
+
 @pytest.mark.parametrize("role", [ACTOR, "critic", "actor_rollout_ref.ref"])
 def test_tp_times_pp_must_divide_the_world(role):
     kl = [f"{ACTOR}.use_kl_loss=true"] if role.endswith("ref") else []  # the ref is only built when KL is used

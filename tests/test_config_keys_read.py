@@ -48,7 +48,7 @@ ALLOWLIST: dict[str, str] = {
     **{f"actor_rollout_ref.ref.megatron.{key}": "MegatronConfig's, shared with the actor and critic; the frozen "
                                                 "reference has no optimizer and no RNG of its own, so validation "
                                                 "warns when it is set (mppo.config.validate.REF_INERT_KEYS)"
-       for key in ("seed", "use_distributed_optimizer", "optimizer_offload")},
+       for key in ("seed", "optimizer_offload")},
 }
 
 

@@ -90,3 +90,31 @@ def uses_sequence_parallel(megatron: MegatronConfig) -> bool:
     if megatron.sequence_parallel is not None:
         return megatron.sequence_parallel
     return (megatron.tensor_model_parallel_size or 1) > 1
+
+
+def uses_overlap_grad_reduce(megatron: MegatronConfig, backend: str) -> bool:
+    """Whether DDP reduces a role's gradients over DP bucket by bucket while the backward still runs
+    (`megatron.overlap_grad_reduce`): null means on iff the backend is NCCL, where the reduction runs on its own
+    stream and so overlaps the backward's compute (gloo's collectives run on the host and gain nothing), or when
+    `overlap_param_gather=true` asks for it (megatron-core needs it there)."""
+    if megatron.overlap_grad_reduce is not None:
+        return megatron.overlap_grad_reduce
+    return backend == "nccl" or bool(megatron.overlap_param_gather)
+
+
+def uses_overlap_param_gather(megatron: MegatronConfig, backend: str) -> bool:
+    """Whether the distributed optimizer all-gathers a role's updated parameters bucket by bucket in the next
+    forward instead of right after its step (`megatron.overlap_param_gather`): null means on iff the backend is
+    NCCL and megatron-core can: with the distributed optimizer and overlap_grad_reduce."""
+    if megatron.overlap_param_gather is not None:
+        return megatron.overlap_param_gather
+    return (backend == "nccl" and bool(megatron.use_distributed_optimizer)
+            and uses_overlap_grad_reduce(megatron, backend))
+
+
+def expert_tensor_parallel_size(megatron: MegatronConfig) -> int:
+    """Ranks sharding each routed expert of a MoE model (`megatron.expert_tensor_parallel_size`): null means TP,
+    megatron-core's default."""
+    if megatron.expert_tensor_parallel_size is not None:
+        return megatron.expert_tensor_parallel_size
+    return megatron.tensor_model_parallel_size or 1

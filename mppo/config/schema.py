@@ -81,6 +81,9 @@ class MegatronConfig:
     expert_model_parallel_size: Optional[int] = None  # EP: ranks splitting each MoE layer's experts (from DP)
     sequence_parallel: Optional[bool] = None  # SP: activations split along the sequence over TP; null = on iff TP > 1
     use_distributed_optimizer: Optional[bool] = None  # shard optimizer state over DP ranks (ZeRO-1)
+    overlap_grad_reduce: Optional[bool] = None  # DP grad reduction bucket by bucket in the backward; null = on iff NCCL
+    overlap_param_gather: Optional[bool] = None  # dist. optimizer: param all-gather in the next forward; null = NCCL
+    expert_tensor_parallel_size: Optional[int] = None  # ETP: ranks sharding each routed expert (MoE); null = TP
     recompute: Optional[str] = field(default=None, metadata={"choices": RECOMPUTE})  # activation recomputation
     seed: Optional[int] = None  # model-parallel RNG seed (init, dropout); actor: null = trainer.seed
     param_offload: Optional[bool] = None  # params + grad buffers in host memory while the rollout generates
@@ -339,7 +342,8 @@ ACTOR = "actor_rollout_ref.actor"
 MEGATRON_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "virtual_pipeline_model_parallel_size", "expert_model_parallel_size", "sequence_parallel",
                  "use_distributed_optimizer", "recompute", "seed", "param_offload", "optimizer_offload",
-                 "override_transformer_config.moe_aux_loss_coeff", "override_transformer_config.moe_z_loss_coeff")
+                 "override_transformer_config.moe_aux_loss_coeff", "override_transformer_config.moe_z_loss_coeff",
+                 "overlap_grad_reduce", "overlap_param_gather", "expert_tensor_parallel_size")
 
 # key -> parent key: a null key takes its parent's (resolved) value. critic.enable is resolved separately
 # (from the estimator), see resolve().

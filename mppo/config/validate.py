@@ -92,7 +92,8 @@ _RANGES: list[tuple[list[str], tuple[Callable[[Any], bool], str]]] = [
       "trainer.collective_timeout_s"]
      + [f"{m}.{k}" for m in _ROLES_MEGATRON for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                                        "virtual_pipeline_model_parallel_size",
-                                                       "expert_model_parallel_size")], _at_least(1)),
+                                                       "expert_model_parallel_size", "expert_tensor_parallel_size")],
+     _at_least(1)),
     ([f"{o}.{k}" for o in _OPTIMS for k in ("lr", "weight_decay", "clip_grad")]
      + [f"{ACTOR}.kl_loss_coef", "algorithm.kl_ctrl.kl_coef", f"{ROLLOUT}.val_kwargs.temperature",
         "trainer.critic_warmup", "trainer.max_consecutive_skips", "reward.max_failed_steps"]
@@ -147,7 +148,8 @@ def _world(cfg: MppoConfig, world_size: int | None) -> tuple[int, str]:
 
 
 SHARED_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                      "virtual_pipeline_model_parallel_size", "expert_model_parallel_size")
+                      "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
+                      "expert_tensor_parallel_size")
 
 
 def check_shared_layout(cfg: MppoConfig) -> None:
@@ -155,17 +157,39 @@ def check_shared_layout(cfg: MppoConfig) -> None:
     critic and reference even when they are not built). Not part of `validate`, which checks each role's layout on
     its own (configs for other trainers load too): `mppo train`, with or without --dry-run, and the trainer check
     it."""
+    from mppo.config.decisions import expert_tensor_parallel_size
+
+    def value(section, key: str):  # expert-TP null means TP, which is shared already
+        return expert_tensor_parallel_size(section) if key == "expert_tensor_parallel_size" else getattr(section, key)
+
     actor = cfg.actor_rollout_ref.actor.megatron
     for role, section in (("critic", cfg.critic.megatron), (REF, cfg.actor_rollout_ref.ref.megatron)):
         for key in SHARED_LAYOUT_KEYS:
-            if getattr(section, key) != getattr(actor, key):
-                raise ConfigError(f"{role}.megatron.{key}={getattr(section, key)} differs from the actor's "
-                                  f"{getattr(actor, key)}; mppo runs all models on one layout: leave it null")
+            if value(section, key) != value(actor, key):
+                raise ConfigError(f"{role}.megatron.{key}={value(section, key)} differs from the actor's "
+                                  f"{value(actor, key)}; mppo runs all models on one layout: leave it null")
 
 
 # MegatronConfig keys the reference shares with the trainable roles but has no use for: it has no optimizer, and
 # the model-parallel RNG (init, dropout) is seeded once per process, from the actor's seed.
-REF_INERT_KEYS = ("seed", "use_distributed_optimizer", "optimizer_offload")
+REF_INERT_KEYS = ("seed", "use_distributed_optimizer", "optimizer_offload", "overlap_grad_reduce",
+                  "overlap_param_gather")
+
+
+def _check_overlap(cfg: MppoConfig) -> None:
+    """megatron-core's requirements of overlap_param_gather (Megatron-LM's validate_args asserts the same): it
+    all-gathers the distributed optimizer's shards, bucket by bucket in the order overlap_grad_reduce made."""
+    for m in (f"{ACTOR}.megatron", "critic.megatron"):
+        if not get_key(cfg, f"{m}.overlap_param_gather"):
+            continue
+        if not get_key(cfg, f"{m}.use_distributed_optimizer"):
+            raise _fail(f"{m}.overlap_param_gather", True, "it overlaps the distributed optimizer's parameter "
+                        "all-gather, and use_distributed_optimizer is false",
+                        f"set {m}.use_distributed_optimizer=true, or overlap_param_gather=false (or null)")
+        if get_key(cfg, f"{m}.overlap_grad_reduce") is False:
+            raise _fail(f"{m}.overlap_param_gather", True, "megatron-core overlaps the parameter all-gather only "
+                        "with overlap_grad_reduce, which is false", f"set {m}.overlap_grad_reduce=true (or null), "
+                        "or overlap_param_gather=false (or null)")
 
 
 def _warn_inert_ref_keys(cfg: MppoConfig) -> None:
@@ -192,11 +216,27 @@ def _data_parallel_size(cfg: MppoConfig, role: str, world: int, world_text: str)
         raise _fail(f"{m}.sequence_parallel", True, "sequence parallelism splits the sequence over the TP ranks, and "
                     "TP is 1", f"set {m}.tensor_model_parallel_size > 1, or sequence_parallel=null (on iff TP > 1)")
     dp, ep = world // (tp * pp), get_key(cfg, f"{m}.expert_model_parallel_size")
-    if dp % ep:  # megatron takes the EP ranks from the data-parallel ones
-        raise _fail(f"{m}.expert_model_parallel_size", ep, f"the experts are split over data-parallel ranks, and "
-                    f"DP = world {world} / (TP x PP = {tp * pp}) = {dp} is not a multiple of it",
-                    f"use a divisor of {dp}: {_divisors(dp)}")
+    etp = get_key(cfg, f"{m}.expert_tensor_parallel_size")
+    if etp is None or etp == tp:
+        if dp % ep:  # megatron takes the EP ranks from the data-parallel ones
+            raise _fail(f"{m}.expert_model_parallel_size", ep, f"the experts are split over data-parallel ranks, and "
+                        f"DP = world {world} / (TP x PP = {tp * pp}) = {dp} is not a multiple of it",
+                        f"use a divisor of {dp}: {_divisors(dp)}")
+    else:
+        _check_expert_tensor_parallel(m, tp, etp, ep, stage_ranks=world // pp)
     return dp
+
+
+def _check_expert_tensor_parallel(m: str, tp: int, etp: int, ep: int, *, stage_ranks: int) -> None:
+    """An expert-TP other than TP: megatron lays the experts out as ETP x EP x expert-DP over each stage's ranks,
+    and mppo's HF export needs one of the blocks (TP ranks, ETP x EP ranks) to hold whole copies of the other."""
+    key, block = f"{m}.expert_tensor_parallel_size", etp * ep
+    if stage_ranks % block:
+        raise _fail(key, etp, f"ETP x EP = {etp} x {ep} = {block} does not divide the {stage_ranks} ranks of a "
+                    "pipeline stage", f"choose ETP and EP whose product divides {stage_ranks}, or ETP=null (= TP)")
+    if block % tp and tp % block:
+        raise _fail(key, etp, f"the expert block ETP x EP = {block} ranks and the TP group of {tp} ranks do not nest "
+                    "(one must be a multiple of the other)", f"pick ETP x EP from the multiples or divisors of {tp}")
 
 
 def _divisors(n: int) -> str:
@@ -500,6 +540,7 @@ def validate(cfg: MppoConfig, world_size: int | None = None) -> None:
     world, world_text = _world(cfg, world_size)
     _check_rollout_layout(cfg)
     _warn_inert_ref_keys(cfg)
+    _check_overlap(cfg)
     actor_dp = _data_parallel_size(cfg, ACTOR, world, world_text)
     _check_batches(cfg, ACTOR, actor_dp)
     _check_dynamic_sampling(cfg, actor_dp)

@@ -39,7 +39,7 @@ from mppo.workers.base import StepMetrics, as_float64, build_role_model, share_o
 from mppo.workers.batching import Batch, validate_batch
 from mppo.workers.logprob import compute_response_outputs, make_logprob_fn, response_logprobs
 from mppo.workers.loss_selection import fused_actor_loss, select_loss_path
-from mppo.workers.optim import build_lr_scheduler, build_optimizer, wrap_with_ddp
+from mppo.workers.optim import build_lr_scheduler, build_optimizer, ddp_options, wrap_with_ddp
 from mppo.workers.pipeline import broadcast_from_last_stage
 from mppo.workers.training import TrainLoop
 
@@ -110,7 +110,7 @@ class ActorWorker:
                                                             megatron=actor_cfg.megatron,
                                                             router_replay=actor_cfg.router_replay.mode)
         use_dist_opt = bool(actor_cfg.megatron.use_distributed_optimizer)
-        self.model = wrap_with_ddp(chunks, use_distributed_optimizer=use_dist_opt)
+        self.model = wrap_with_ddp(chunks, **ddp_options(actor_cfg.megatron, dims))
         self.optimizer = build_optimizer(self.model, actor_cfg.optim, use_distributed_optimizer=use_dist_opt,
                                          dtype=self.dtype)
         self.scheduler = build_lr_scheduler(self.optimizer, actor_cfg.optim, total_steps)

@@ -20,7 +20,7 @@ from mppo.models.weights import bucketed, iter_hf_weights
 from mppo.parallel import ParallelDims
 from mppo.workers.base import StepMetrics, as_float64, build_role_model, response_rows, share_of
 from mppo.workers.batching import Batch, validate_batch
-from mppo.workers.optim import build_lr_scheduler, build_optimizer, wrap_with_ddp
+from mppo.workers.optim import build_lr_scheduler, build_optimizer, ddp_options, wrap_with_ddp
 from mppo.workers.pipeline import micro_batches_for, response_forward_step, run_forward_only
 from mppo.workers.training import TrainLoop
 
@@ -70,7 +70,7 @@ class CriticWorker:
         self.hf_args, chunks, self.dtype = build_role_model(hf_dir, dims, role="critic", model_cfg=model_cfg,
                                                             megatron=megatron)
         use_dist_opt = bool(megatron.use_distributed_optimizer)
-        self.model = wrap_with_ddp(chunks, use_distributed_optimizer=use_dist_opt)
+        self.model = wrap_with_ddp(chunks, **ddp_options(megatron, dims))
         self.optimizer = build_optimizer(self.model, critic_cfg.optim, use_distributed_optimizer=use_dist_opt,
                                          dtype=self.dtype)
         self.scheduler = build_lr_scheduler(self.optimizer, critic_cfg.optim, total_steps)

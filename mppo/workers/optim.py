@@ -2,7 +2,9 @@
 one forward-backward-step over micro-batches.
 
 - `wrap_with_ddp`: megatron `DistributedDataParallel` per model chunk (grads accumulate in fp32 buffers and are
-  averaged over DP once per step, in `finalize_model_grads`, which the pipeline schedule calls).
+  averaged over DP once per step, in `finalize_model_grads`, which the pipeline schedule calls; with
+  `megatron.overlap_grad_reduce` / `overlap_param_gather` bucket by bucket, overlapped with the backward / the
+  next forward).
 - `build_optimizer`: `get_megatron_optimizer` (Adam with decoupled weight decay, optional distributed optimizer,
   grad clipping). bf16 training is megatron's mixed precision: every model parameter is bf16 (forward and
   backward run in bf16; the builder casts the norms too, so there is one grad buffer, which the distributed
@@ -24,26 +26,78 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from mppo.config.schema import OptimConfig
+from mppo.config.decisions import uses_overlap_grad_reduce, uses_overlap_param_gather
+from mppo.config.schema import MegatronConfig, OptimConfig
+from mppo.parallel import ParallelDims
 from mppo.workers.pipeline import Batch, ForwardStep, run_pipeline
 
 
-def wrap_with_ddp(chunks: Sequence[nn.Module], *, use_distributed_optimizer: bool) -> list[nn.Module]:
-    """Wrap each model chunk in megatron's DistributedDataParallel (no overlap: one all-reduce or
-    reduce-scatter per step, after the last micro-batch)."""
+def ddp_options(megatron: MegatronConfig, dims: ParallelDims) -> dict[str, bool]:
+    """wrap_with_ddp's keyword arguments for a role's `megatron` section (the overlap keys' null rules are
+    mppo.config.decisions')."""
+    return {"use_distributed_optimizer": bool(megatron.use_distributed_optimizer),
+            "overlap_grad_reduce": uses_overlap_grad_reduce(megatron, dims.backend),
+            "overlap_param_gather": uses_overlap_param_gather(megatron, dims.backend)}
+
+
+# Parameters per DDP bucket with overlap on; None: megatron's default (max(4e7, 1e6 x DP)). Tests lower it to give a
+# tiny model several buckets.
+BUCKET_SIZE: int | None = None
+
+
+def wrap_with_ddp(chunks: Sequence[nn.Module], *, use_distributed_optimizer: bool, overlap_grad_reduce: bool = False,
+                  overlap_param_gather: bool = False) -> list[nn.Module]:
+    """Wrap each model chunk in megatron's DistributedDataParallel and hand megatron's pipeline schedules the
+    hooks that overlap run on (as Megatron-LM's training loop does).
+
+    Without overlap, the gradients are all-reduced (reduce-scattered with the distributed optimizer) in one call
+    per step after the last micro-batch, and the distributed optimizer all-gathers the updated parameters right
+    after its step. `overlap_grad_reduce`: each bucket's reduction starts, asynchronously, as soon as the last
+    micro-batch's backward has produced all of its gradients (`no_sync_func` keeps the earlier micro-batches from
+    starting it; `grad_sync_func` lets the schedule start a chunk's at megatron's chosen point), and
+    finalize_model_grads waits for them. `overlap_param_gather` (distributed optimizer only): the step leaves the
+    all-gather to the next forward, whose pre-hooks start each bucket's and wait for it just before its first
+    module runs (with interleaved pipelines the schedule starts each chunk's, `param_sync_func`); call
+    `finish_param_sync` before reading the parameters outside a forward.
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    if overlap_param_gather and not (use_distributed_optimizer and overlap_grad_reduce):
+        raise ValueError("overlap_param_gather needs the distributed optimizer and overlap_grad_reduce")
+    interleaved = len(chunks) > 1
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,  # bf16 params: accumulate and reduce gradients in fp32
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+        # Megatron-LM aligns the chunks' param all-gathers across PP stages with the interleaved schedule only
+        align_param_gather=overlap_param_gather and interleaved,
         use_distributed_optimizer=use_distributed_optimizer,
         check_for_nan_in_grad=False,  # NaN/inf skips the step instead of raising (see optimizer_step)
+        bucket_size=BUCKET_SIZE,
     )
     wrapped = []
     for i, chunk in enumerate(chunks):
         # Only the first chunk buckets its grads; megatron-LM does the same with virtual pipelines.
         wrapped.append(DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=i > 0))
+    config = wrapped[0].config  # the one TransformerConfig of every chunk, which the schedules read
+
+    def per_chunk(method: str):
+        funcs = [getattr(chunk, method) for chunk in wrapped]
+        return funcs if interleaved else funcs[0]
+
+    config.no_sync_func = per_chunk("no_sync") if overlap_grad_reduce else None
+    config.grad_sync_func = per_chunk("start_grad_sync") if overlap_grad_reduce else None
+    config.param_sync_func = per_chunk("start_param_sync") if ddp_config.align_param_gather else None
     return wrapped
+
+
+def finish_param_sync(ddp_chunks: Sequence[nn.Module]) -> None:
+    """Complete the parameter all-gather that overlap_param_gather defers to the next forward, so that the
+    parameters are the updated ones outside a forward too (weight export, checkpoints, offload); the next forward
+    then has nothing left to gather. A no-op without overlap_param_gather."""
+    for chunk in ddp_chunks:
+        if getattr(chunk, "use_forward_hook", False):
+            chunk.start_param_sync(force_sync=True)
 
 
 def build_optimizer(ddp_chunks: Sequence[nn.Module], optim: OptimConfig, *, use_distributed_optimizer: bool,

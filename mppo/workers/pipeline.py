@@ -137,6 +137,16 @@ def _final_hidden_states(model: nn.Module):
         yield
     finally:
         core.post_process = saved
+    _wait_param_sync(model, core.output_layer)
+
+
+def _wait_param_sync(model: nn.Module, module: nn.Module) -> None:
+    """What DDP's forward pre-hook does for a module that runs: with overlap_param_gather, wait for the all-gather
+    of the module's parameters. The output layer does not run on the fused path (the kernel reads its weight), so
+    without this its bucket's all-gather would still be in flight when the kernel reads the weight (and the next
+    step's all-gather would find it outstanding)."""
+    if getattr(model, "use_forward_hook", False):
+        model._make_forward_pre_hook()(module)
 
 
 def stage_forward(model: nn.Module, input_ids: torch.Tensor, *, hidden_only: bool) -> torch.Tensor:

@@ -19,7 +19,7 @@ from mppo.parallel import ParallelDims
 from mppo.workers.base import StepMetrics, mean_metrics
 from mppo.workers.batching import Batch, BatchError, global_batch_info, mini_batch_rows
 from mppo.workers.moe_losses import MoELossMeter
-from mppo.workers.optim import current_lr, forward_backward, optimizer_step
+from mppo.workers.optim import current_lr, finish_param_sync, forward_backward, optimizer_step
 from mppo.workers.pipeline import ForwardStep, LossFn, micro_batches_for, pipeline_inputs, response_forward_step
 
 # (model chunk, micro-batch, the mini-batch's global facts, the step's metrics) -> the last stage's loss_fn, which
@@ -158,6 +158,9 @@ class TrainLoop:
                 skipped += 1
             else:
                 grad_norms.append(result.grad_norm)
+        # the last step's parameter all-gather, which overlap_param_gather leaves to the next forward: what reads
+        # the weights next (the rollout's weight sync, a checkpoint, the offload) reads them outside a forward
+        finish_param_sync(self.model)
         scheduler.step(1)
         out: dict[str, float | bool] = dict(mean_metrics(steps))
         out[f"{self.role}/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan

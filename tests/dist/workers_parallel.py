@@ -18,6 +18,7 @@ import torch.distributed as dist
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # + dist_util
 from dist_util import rank_main  # noqa: E402
 from models_fixtures import load_hf_model, make_hf_model  # noqa: E402
+from workers_overlap import overlap_cases  # noqa: E402
 from workers_fixtures import (TEMPERATURE, add_value_head, count_host_reads, dp_shard,  # noqa: E402
                               hf_response_logprobs, hf_values, make_batch, max_state_diff, mean_steps,
                               reference_actor_updates, reference_critic_updates)
@@ -479,7 +480,8 @@ def run_cases(opts, res: dict) -> None:
     cases = Cases(opts.out / "work", res, int(os.environ["RANK"]))
     cases.setup()
     for case in (cases.actor_layouts, cases.global_normalisation, cases.tied_embeddings, cases.nan_skip,
-                 cases.bf16_training, cases.critic, cases.host_reads, cases.checkpoints):
+                 cases.bf16_training, cases.critic, cases.host_reads, cases.checkpoints,
+                 lambda: overlap_cases(cases.work, cases.batch, res, actor_config)):
         case()
 
 
