@@ -347,8 +347,8 @@ def test_expert_tensor_parallel_is_tp_by_default_and_must_fit():
     etp1 = load(f"{ACTOR}.megatron.tensor_model_parallel_size=2", f"{ACTOR}.megatron.expert_tensor_parallel_size=1",
                 f"{ACTOR}.megatron.expert_model_parallel_size=8")  # EP over TP x DP: ETP x EP = 8 ranks
     assert expert_tensor_parallel_size(etp1.critic.megatron) == 1
-    message = error_of(f"{ACTOR}.megatron.tensor_model_parallel_size=2", f"{ACTOR}.megatron.expert_tensor_parallel_size=1",
-                       f"{ACTOR}.megatron.expert_model_parallel_size=3")
+    message = error_of(f"{ACTOR}.megatron.tensor_model_parallel_size=2",
+                       f"{ACTOR}.megatron.expert_tensor_parallel_size=1", f"{ACTOR}.megatron.expert_model_parallel_size=3")
     assert message.startswith(f"{ACTOR}.megatron.expert_tensor_parallel_size = 1: ETP x EP = 1 x 3 = 3 does not "
                               "divide the 8 ranks of a pipeline stage")
     message = error_of(f"{ACTOR}.megatron.expert_tensor_parallel_size=0")
@@ -359,7 +359,8 @@ def test_expert_tensor_parallel_is_tp_by_default_and_must_fit():
                              f"{ACTOR}.megatron.tensor_model_parallel_size=2"))  # = the actor's TP
     with pytest.raises(ConfigError, match="critic.megatron.expert_tensor_parallel_size=1 differs from the actor's 2"):
         check_shared_layout(load("critic.megatron.expert_tensor_parallel_size=1",
-                                 f"{ACTOR}.megatron.tensor_model_parallel_size=2"))
+                                 f"{ACTOR}.megatron.tensor_model_parallel_size=2",
+                                 f"{ACTOR}.megatron.expert_model_parallel_size=2"))
 
 
 @pytest.mark.parametrize("role", [ACTOR, "critic", "actor_rollout_ref.ref"])

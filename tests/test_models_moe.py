@@ -1,7 +1,8 @@
 """Qwen3 dense and Qwen3-MoE (4 experts, top-2) as megatron models vs HF transformers at TP1, TP2, PP2, EP2,
-TP2 x EP2, EP2 x PP2 and EP4 (4 CPU ranks): logits, log-probs, entropy, gradients through the router and the
-all-to-all dispatch; HF -> megatron -> HF bitwise with the experts on several EP ranks; `mppo convert --ep`; an
-EP2 x PP2 dist checkpoint loaded at EP1; layout errors; the CPU patches MoE layers need.
+TP2 x EP2, EP2 x PP2, EP4 and TP2 x EP2 with expert-TP 1 (whole experts split over the TP ranks; 4 CPU ranks):
+logits, log-probs, entropy, gradients through the router and the all-to-all dispatch; HF -> megatron -> HF bitwise
+with the experts on several EP ranks; `mppo convert --ep`; an EP2 x PP2 dist checkpoint loaded at EP1 and at
+TP2 x EP2 (expert-TP 2 and 1); layout errors; the CPU patches MoE layers need.
 
 One torchrun launch (tests/dist/models_moe.py) runs every case; each test below asserts on one family of results.
 """
@@ -15,7 +16,8 @@ from dist_util import on_every_rank, run_cases
 
 SCRIPT = Path(__file__).parent / "dist" / "models_moe.py"
 ATOL = 1e-4
-LAYOUTS = ("tp1pp1ep1", "tp2pp1ep1", "tp1pp2ep1", "tp1pp1ep2", "tp2pp1ep2", "tp1pp2ep2", "tp1pp1ep4")
+LAYOUTS = ("tp1pp1ep1", "tp2pp1ep1", "tp1pp2ep1", "tp1pp1ep2", "tp2pp1ep2", "tp1pp2ep2", "tp1pp1ep4",
+           "tp2pp1ep2etp1")
 DENSE_LAYOUTS = ("tp1pp1ep1", "tp2pp1ep1", "tp1pp2ep1")
 MOE_CPU_PATCHES = ("cuda_streams", "backward_device_mode", "uneven_sequence_collectives", "splits_as_numpy",
                    "te_general_gemm")
@@ -34,6 +36,21 @@ def test_moe_under_tp_with_sequence_parallelism_matches_hf(ranks):
     for what in ("log_probs", "entropy"):
         worst = max(on_every_rank(ranks, f"tp2pp1ep2sp/qwen3_moe/{what}"))
         assert worst <= ATOL, f"TP2 x EP2 + SP {what}: max |megatron - HF| = {worst}"
+
+
+def test_expert_tensor_parallel_1_under_tp2_matches_hf_and_tp1(ranks):
+    """expert_tensor_parallel_size=1 at TP2 x EP2: attention TP-sharded, each expert whole on one of the two TP
+    ranks (EP over TP). Log-probs and entropy vs HF and the TP1 run to 1e-5, without and with sequence
+    parallelism (training mode), and the gradients through the router and the experts vs HF autograd."""
+    for layout in ("tp2pp1ep2etp1", "tp2pp1ep2etp1sp"):
+        for what in ("log_probs", "log_probs_vs_tp1", "entropy"):
+            worst = max(on_every_rank(ranks, f"{layout}/qwen3_moe/{what}"))
+            assert worst <= 1e-5, f"{layout} {what}: {worst}"
+    assert max(on_every_rank(ranks, "tp2pp1ep2etp1sp/qwen3_moe/grad")) <= 1e-5
+    # megatron's expert layout: expert-TP 1 x EP 2 over each TP pair, expert-DP 2
+    assert on_every_rank(ranks, "tp2pp1ep2etp1/qwen3_moe/local_experts") == [[0, 1], [2, 3], [0, 1], [2, 3]]
+    assert [r["tp2pp1ep2etp1/dims"] for r in ranks] == [[0, 0, 0, 0, 2, 2], [1, 0, 0, 1, 2, 2],
+                                                           [0, 0, 1, 0, 2, 2], [1, 0, 1, 1, 2, 2]]
 
 
 @pytest.mark.parametrize("layout, model", CASES)
@@ -61,7 +78,7 @@ def test_gradients_through_router_and_experts_match_hf(ranks, layout):
 
 
 @pytest.mark.parametrize("layout, model", [("tp1pp2ep2", "qwen3_moe"), ("tp2pp1ep2", "qwen3_moe"),
-                                           ("tp1pp2ep1", "qwen3_tied")])
+                                           ("tp2pp1ep2etp1", "qwen3_moe"), ("tp1pp2ep1", "qwen3_tied")])
 def test_hf_megatron_hf_roundtrip_is_bitwise(ranks, layout, model):
     assert all(on_every_rank(ranks, f"{layout}/{model}/export_names_equal"))
     assert all(on_every_rank(ranks, f"{layout}/{model}/export_bitwise"))  # every rank receives every full tensor
@@ -69,14 +86,16 @@ def test_hf_megatron_hf_roundtrip_is_bitwise(ranks, layout, model):
 
 
 @pytest.mark.parametrize("transport", ("collective", "shared_memory"))
-def test_export_to_some_ranks_gathers_experts_from_every_ep_rank(ranks, transport):
-    assert all(on_every_rank(ranks, f"tp1pp2ep2/destinations/{transport}"))
+@pytest.mark.parametrize("layout", ("tp1pp2ep2", "tp2pp1ep2etp1"))
+def test_export_to_some_ranks_gathers_experts_from_every_ep_rank(ranks, transport, layout):
+    assert all(on_every_rank(ranks, f"{layout}/destinations/{transport}"))
 
 
 def test_ep2pp2_checkpoint_loads_at_ep1_and_tp2ep2(ranks):
     assert max(on_every_rank(ranks, "ckpt_ep2pp2_at_tp1pp1ep1/logits")) <= ATOL
     assert all(on_every_rank(ranks, "ckpt_ep2pp2_at_tp1pp1ep1/identical_to_hf_load"))
     assert max(on_every_rank(ranks, "ckpt_ep2pp2_at_tp2pp1ep2/logits")) <= ATOL
+    assert max(on_every_rank(ranks, "ckpt_ep2pp2_at_tp2pp1ep2etp1/logits")) <= ATOL  # experts resharded to ETP 1
 
 
 def test_convert_with_ep(ranks):

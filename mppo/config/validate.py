@@ -229,14 +229,16 @@ def _data_parallel_size(cfg: MppoConfig, role: str, world: int, world_text: str)
 
 def _check_expert_tensor_parallel(m: str, tp: int, etp: int, ep: int, *, stage_ranks: int) -> None:
     """An expert-TP other than TP: megatron lays the experts out as ETP x EP x expert-DP over each stage's ranks,
-    and mppo's HF export needs one of the blocks (TP ranks, ETP x EP ranks) to hold whole copies of the other."""
+    and mppo's HF export needs each ETP x EP block (one set of experts) to hold whole TP groups
+    (mppo.parallel.state.check_layout says the same at start-up)."""
     key, block = f"{m}.expert_tensor_parallel_size", etp * ep
     if stage_ranks % block:
         raise _fail(key, etp, f"ETP x EP = {etp} x {ep} = {block} does not divide the {stage_ranks} ranks of a "
                     "pipeline stage", f"choose ETP and EP whose product divides {stage_ranks}, or ETP=null (= TP)")
-    if block % tp and tp % block:
-        raise _fail(key, etp, f"the expert block ETP x EP = {block} ranks and the TP group of {tp} ranks do not nest "
-                    "(one must be a multiple of the other)", f"pick ETP x EP from the multiples or divisors of {tp}")
+    if block % tp:
+        raise _fail(key, etp, f"ETP x EP = {etp} x {ep} = {block} is not a multiple of TP = {tp}: each block of ranks "
+                    "holding one set of experts must hold whole TP groups (mppo's HF export)",
+                    f"raise {m}.expert_model_parallel_size, or ETP=null (= TP)")
 
 
 def _divisors(n: int) -> str:

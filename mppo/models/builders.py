@@ -73,6 +73,7 @@ def build_transformer_config(args: HFModelArgs, dims: ParallelDims, *, dtype: to
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
         expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.expert_tp,
         virtual_pipeline_model_parallel_size=dims.vpp,
         params_dtype=dtype,
         pipeline_dtype=dtype,

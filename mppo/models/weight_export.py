@@ -2,9 +2,11 @@
 
 Every rank of an export group runs `iter_hf_weights` to its end; the destinations get `(hf_name, tensor)` pairs in
 HF order, the other ranks an empty stream. The export group is the model-parallel group (the TP x PP ranks of one
-DP replica); with expert parallelism (EP > 1) it is the EP such groups that together hold every expert (megatron's
-expert-tensor-model-pipeline group): each EP replica serves its dense weights itself, a routed expert's weights
-come from the one EP rank that holds them. The layout mapping is
+DP replica); when one set of experts spans more ranks than a TP group (EP > 1 or expert-TP > TP) it is megatron's
+expert-tensor-model-pipeline group, the expert-TP x EP x PP ranks that hold every expert once and whole dense
+replicas (EP of them with expert-TP = TP; one at TP 2 x EP 2 with expert-TP 1): each dense replica serves its dense
+weights itself, a routed expert's weights come from the EP rank that holds them, gathered over expert-TP. The
+layout mapping is
 mppo.models.weight_rules (`place_shard` un-fuses a TP shard into its places in the HF tensors), the host-local
 transport is mppo.models.weight_transport.
 
@@ -50,15 +52,24 @@ class _Entry:
     hf_names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtype: str
-    expert_rank: int | None = None  # a routed expert's: the EP rank holding it; None: every EP rank holds it
+    expert_rank: int | None = None  # a routed expert's: the EP rank holding it; None: every dense replica holds it
+
+
+def _expert_block() -> int:
+    """Ranks of a pipeline stage that hold one set of experts: expert-TP x EP (a multiple of TP, which
+    mppo.parallel.state.check_layout ensures)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_tensor_parallel_world_size() * ps.get_expert_model_parallel_world_size()
 
 
 def export_group() -> dist.ProcessGroup:
-    """The group `iter_hf_weights` is collective over: the model-parallel group, or with EP > 1 the group of the EP
-    model-parallel groups that share one set of experts."""
+    """The group `iter_hf_weights` is collective over: the model-parallel group, or when one set of experts spans
+    more ranks than a TP group (EP > 1, or expert-TP > TP) megatron's expert-tensor-model-pipeline group, which
+    holds whole model-parallel groups (dense replicas) and every expert once."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_expert_model_parallel_world_size() > 1:
+    if _expert_block() > ps.get_tensor_model_parallel_world_size():
         return ps.get_expert_tensor_model_pipeline_parallel_group()
     return ps.get_model_parallel_group()
 
@@ -76,23 +87,37 @@ class _Group:
     pp_rank: int
     pp: int
     pp_group: dist.ProcessGroup
+    replica: int  # which of the group's model-parallel groups (dense replicas) this rank is in
     ep_rank: int
     ep: int
-    expert_tp_group: dist.ProcessGroup  # shards routed experts; the same ranks as tp_group (expert-TP = TP)
+    etp_rank: int
+    etp: int
+    expert_tp_group: dist.ProcessGroup  # shards routed experts (the TP group's ranks when expert-TP = TP)
 
     @classmethod
     def current(cls) -> _Group:
         from megatron.core import parallel_state as ps
 
         tp_rank, tp, tp_group = tp_layout()
-        expert_tp_rank, expert_tp, expert_tp_group = tp_layout(expert=True)
-        if (expert_tp_rank, expert_tp) != (tp_rank, tp):
-            raise ValueError(f"the exporter needs expert-TP = TP, got expert-TP {expert_tp} and TP {tp}")
+        etp_rank, etp, expert_tp_group = tp_layout(expert=True)
         group = export_group()
+        # the group's ranks of a stage are consecutive (megatron's order: TP fastest, then DP), so its dense
+        # replicas are consecutive DP ranks
+        replicas = max(1, _expert_block() // tp)
         return cls(group, tuple(dist.get_process_group_ranks(group)), dist.get_rank(), tp_rank, tp, tp_group,
                    ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
-                   ps.get_pipeline_model_parallel_group(), ps.get_expert_model_parallel_rank(),
-                   ps.get_expert_model_parallel_world_size(), expert_tp_group)
+                   ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_rank() % replicas,
+                   ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(), etp_rank, etp,
+                   expert_tp_group)
+
+    def shard_of(self, rule: WeightRule) -> tuple[int, int]:
+        """(index, count) of this rank's shard of a parameter: over expert-TP for a routed expert, else over TP."""
+        return (self.etp_rank, self.etp) if rule.expert else (self.tp_rank, self.tp)
+
+    def holds_plan_copy(self, rule: WeightRule) -> bool:
+        """Whether this rank's copy of the parameter goes into the plan: each routed expert lives once in the group,
+        a dense weight once per replica (the plan takes replica 0's)."""
+        return rule.expert or self.replica == 0
 
 
 @dataclass(frozen=True)
@@ -102,7 +127,8 @@ class _Exchange:
     ident: int  # digest of everything gathered
     digests: tuple[int, ...]  # every rank's plan digest, in group order
     plan: tuple[_Entry, ...]  # sorted in HF order
-    place: dict[tuple[int, int, int], int]  # (pp_rank, ep_rank, tp_rank) -> global rank
+    place: dict[tuple[int, int, int], int]  # dense weights' places: (pp_rank, replica, tp_rank) -> global rank
+    expert_place: dict[tuple[int, int, int], int]  # routed experts': (pp_rank, ep_rank, expert-TP rank) -> rank
     one_host: bool
 
 
@@ -168,9 +194,9 @@ def iter_hf_weights(model_chunks: Sequence[nn.Module], args: HFModelArgs, *, dty
             if rule is None:
                 continue
             local[rule.order] = (rule, param)
-            if not rule.expert and group.ep_rank > 0:
-                continue  # every EP replica holds it: the plan takes EP rank 0's
-            shapes = full_shapes(rule, param.shape, args, group.tp)
+            if not group.holds_plan_copy(rule):
+                continue
+            shapes = full_shapes(rule, param.shape, args, group.shard_of(rule)[1])
             mine.append(_Entry(rule.order, group.pp_rank, rule.hf_names, shapes,
                                str(dtype or param.dtype).removeprefix("torch."),
                                group.ep_rank if rule.expert else None))
@@ -196,7 +222,7 @@ def _handshake(group: _Group, mine: list[_Entry], targets: tuple[int, ...], tran
     """The group's plan and layout: from the last full exchange when every rank still agrees with it, else from a
     new one. Also returns every rank's staging digest (weight_transport.state_digest)."""
     key = (group.ranks, transport)
-    digest = _digest((mine, targets, group.pp_rank, group.ep_rank, group.tp_rank))
+    digest = _digest((mine, targets, group.pp_rank, group.replica, group.tp_rank, group.ep_rank, group.etp_rank))
     cached = _EXCHANGES.get(owner, {}).get(key)
     local = torch.tensor([digest, cached.ident if cached else 0,
                           weight_transport.state_digest(owner, group.ranks, targets)], dtype=torch.int64,
@@ -208,7 +234,10 @@ def _handshake(group: _Group, mine: list[_Entry], targets: tuple[int, ...], tran
     if cached is not None and set(idents) == {cached.ident} and digests == cached.digests:
         return cached, list(staging)
 
-    info = {"plan": mine if group.tp_rank == 0 else [], "place": (group.pp_rank, group.ep_rank, group.tp_rank),
+    first_shard = [e for e in mine if (group.tp_rank if e.expert_rank is None else group.etp_rank) == 0]
+    info = {"plan": first_shard,
+            "place": (group.pp_rank, group.replica, group.tp_rank),
+            "expert_place": (group.pp_rank, group.ep_rank, group.etp_rank),
             "host": socket.gethostname(), "targets": targets}
     infos: list = [None] * len(group.ranks)
     dist.all_gather_object(infos, info, group=group.group)
@@ -218,6 +247,7 @@ def _handshake(group: _Group, mine: list[_Entry], targets: tuple[int, ...], tran
     exchange = _Exchange(ident=_digest((digests, infos)) or 1, digests=digests,
                          plan=tuple(sorted((e for i in infos for e in i["plan"]), key=lambda e: e.order)),
                          place={i["place"]: r for i, r in zip(infos, group.ranks)},
+                         expert_place={i["expert_place"]: r for i, r in zip(infos, group.ranks)},
                          one_host=len({i["host"] for i in infos}) == 1)
     _EXCHANGES.setdefault(owner, {})[key] = exchange
     return exchange, list(staging)
@@ -229,14 +259,14 @@ def _staged_export(local, plan: Sequence[_Entry], group: _Group, buffers, args: 
     # microseconds of Python to each of the loop's hundreds of tensor calls and only ever rewrite CUDA arguments.
     with torch.no_grad(), torch._C.DisableTorchFunction():
         for rule, param in local.values():
-            if not rule.expert and group.ep_rank > 0:
-                continue  # the same values as EP rank 0's, which writes them
+            if not group.holds_plan_copy(rule):
+                continue  # the same values as replica 0's, which writes them
             if param.device.type != "cpu":
                 raise ValueError(f"the shared-memory transport stages CPU tensors; {rule.hf_names[0]} is on "
                                  f"{param.device}: use transport='collective'")
             for buffer in buffers.values():
-                place_shard(rule, param.detach(), [buffer.view(n) for n in rule.hf_names], args, group.tp_rank,
-                            group.tp)
+                place_shard(rule, param.detach(), [buffer.view(n) for n in rule.hf_names], args,
+                            *group.shard_of(rule))
     dist.barrier(group=group.group)
     if group.rank in buffers:
         for entry in plan:
@@ -245,29 +275,34 @@ def _staged_export(local, plan: Sequence[_Entry], group: _Group, buffers, args: 
 
 
 def _collective_export(local, exchange: _Exchange, group: _Group, targets: tuple[int, ...], args: HFModelArgs):
-    """TP gather (or all-gather) onto the needed TP indices of the owning stage, un-fuse, send over PP; a routed
-    expert's tensors from its EP rank to the destinations of every EP replica."""
+    """A dense weight: TP gather (or all-gather) onto the destinations' TP indices of the owning stage in each
+    replica, un-fuse, send over that replica's PP group. A routed expert: gather over expert-TP onto the
+    destinations' expert-TP indices of the EP rank holding it, un-fuse, send to the destinations of that index."""
     device = next(iter(local.values()))[1].device
-    place = exchange.place
-    target_tp = sorted({tp_rank for (_, _, tp_rank), r in place.items() if r in targets})
+    dense, experts = exchange.place, exchange.expert_place
+    target_tp = sorted({tp_rank for (_, _, tp_rank), r in dense.items() if r in targets})
+    target_etp = sorted({etp_rank for (_, _, etp_rank), r in experts.items() if r in targets})
     pp_ranks = dist.get_process_group_ranks(group.pp_group)
     pp_all_targets = all(r in targets for r in pp_ranks)  # then one broadcast reaches all of them
     for entry in exchange.plan:
         out_dtype = getattr(torch, entry.dtype)
-        # dense weights: each EP replica serves its own destinations; experts: the EP rank that holds them
-        owner_ep = group.ep_rank if entry.expert_rank is None else entry.expert_rank
+        expert = entry.expert_rank is not None
         full = None
-        if (group.pp_rank, group.ep_rank) == (entry.stage, owner_ep):
+        if (group.pp_rank, group.ep_rank if expert else group.replica) == \
+                (entry.stage, entry.expert_rank if expert else group.replica):
             rule, param = local[entry.order]
-            full = _gather_and_unfuse(rule, param, entry, group, target_tp, place, out_dtype, device, args)
-        if group.tp_rank in target_tp and (group.pp > 1 or entry.expert_rank is not None):
-            src = place[entry.stage, owner_ep, group.tp_rank]
-            if entry.expert_rank is None:  # within this EP replica: its PP group
+            indices, places = ((target_etp, experts) if expert else (target_tp, dense))
+            full = _gather_and_unfuse(rule, param, entry, group, indices, places, out_dtype, device, args)
+        my_index = group.etp_rank if expert else group.tp_rank
+        if my_index in (target_etp if expert else target_tp) and (group.pp > 1 or expert):
+            if not expert:  # within this replica: its PP group
+                src = dense[entry.stage, group.replica, group.tp_rank]
                 receivers = [r for r in pp_ranks if r in targets and r != src]
                 broadcast = pp_all_targets
-            else:  # the same TP index of every stage and EP rank
-                receivers = [r for (_, _, tp_rank), r in sorted(place.items())
-                             if tp_rank == group.tp_rank and r in targets and r != src]
+            else:  # every destination with the same expert-TP index
+                src = experts[entry.stage, entry.expert_rank, group.etp_rank]
+                receivers = [r for (_, _, etp_rank), r in sorted(experts.items())
+                             if etp_rank == group.etp_rank and r in targets and r != src]
                 broadcast = False
             if full is None and group.rank in receivers:
                 full = [torch.empty(shape, dtype=out_dtype, device=device) for shape in entry.shapes]
@@ -283,26 +318,29 @@ def _collective_export(local, exchange: _Exchange, group: _Group, targets: tuple
             yield from zip(entry.hf_names, full)
 
 
-def _gather_and_unfuse(rule, param, entry: _Entry, group: _Group, target_tp: list[int], place, out_dtype, device,
+def _gather_and_unfuse(rule, param, entry: _Entry, group: _Group, target_index: list[int], place, out_dtype, device,
                        args: HFModelArgs) -> list[torch.Tensor] | None:
-    """On the owning ranks: the full HF tensors of one parameter on the target TP indices (None elsewhere)."""
-    tp_group = group.expert_tp_group if rule.expert else group.tp_group
+    """On the owning ranks: the full HF tensors of one parameter on the target shard indices (TP, or expert-TP
+    for a routed expert; None elsewhere). `place` maps (stage, replica or EP rank, index) to global ranks."""
+    index, count = group.shard_of(rule)
+    shard_group = group.expert_tp_group if rule.expert else group.tp_group
+    owner = group.ep_rank if rule.expert else group.replica
     shard = param.detach().contiguous()
-    if group.tp == 1:
+    if count == 1:
         shards = [shard]
-    elif len(target_tp) == 1:
-        root = place[entry.stage, group.ep_rank, target_tp[0]]
-        shards = [torch.empty_like(shard) for _ in range(group.tp)] if group.rank == root else None
-        dist.gather(shard, shards, dst=root, group=tp_group)
+    elif len(target_index) == 1:
+        root = place[entry.stage, owner, target_index[0]]
+        shards = [torch.empty_like(shard) for _ in range(count)] if group.rank == root else None
+        dist.gather(shard, shards, dst=root, group=shard_group)
     else:
-        shards = [torch.empty_like(shard) for _ in range(group.tp)]
-        dist.all_gather(shards, shard, group=tp_group)
-    if group.tp_rank not in target_tp:
+        shards = [torch.empty_like(shard) for _ in range(count)]
+        dist.all_gather(shards, shard, group=shard_group)
+    if index not in target_index:
         return None
     full = [torch.empty(shape, dtype=out_dtype, device=device) for shape in entry.shapes]
     with torch.no_grad():
-        for tp_rank, part in enumerate(shards):
-            place_shard(rule, part, full, args, tp_rank, group.tp)
+        for shard_index, part in enumerate(shards):
+            place_shard(rule, part, full, args, shard_index, count)
     return full
 
 

@@ -2,8 +2,10 @@
 
 Every rank runs the same program (SPMD). The layout is TP x PP x DP with DP = world / (TP x PP), in megatron's
 default rank order (TP fastest, then DP, then PP). Expert parallelism (EP, MoE models) splits each MoE layer's
-experts over EP ranks taken from the DP dimension: the experts' layout is expert-TP (= TP) x EP x expert-DP x PP
-with expert-DP = DP / EP, megatron's expert-model-parallel and expert-data-parallel groups. Without a torchrun
+experts over EP ranks: the experts' layout is expert-TP x EP x expert-DP x PP over the same ranks, megatron's
+expert-tensor, expert-model-parallel and expert-data-parallel groups. With expert-TP = TP (the default) the EP ranks
+come from the DP dimension (expert-DP = DP / EP); with expert-TP 1 at TP 2 and EP 2 the experts are whole and split
+over the two TP ranks, while attention stays TP-sharded. Without a torchrun
 environment the process runs alone as a world of one, which is what `mppo convert` and small scripts use.
 """
 from __future__ import annotations
@@ -44,13 +46,20 @@ class ParallelDims:
     dp_rank: int
     backend: str  # "nccl" or "gloo"
     device: torch.device  # where this rank's tensors live
-    ep: int = 1  # expert parallel size: ranks sharing one MoE layer's experts (a divisor of dp)
+    ep: int = 1  # expert parallel size: ranks sharing one MoE layer's experts
     ep_rank: int = 0
+    etp: int | None = None  # expert tensor parallel size: ranks sharding each routed expert; None: tp
+    etp_rank: int = 0
+
+    @property
+    def expert_tp(self) -> int:
+        """Ranks sharding each routed expert: `etp`, or TP (megatron's default)."""
+        return self.etp or self.tp
 
     @property
     def expert_dp(self) -> int:
-        """Data-parallel replicas of each expert: DP / EP."""
-        return self.dp // self.ep
+        """Data-parallel replicas of each expert: TP x DP / (expert-TP x EP), DP / EP when expert-TP = TP."""
+        return self.tp * self.dp // (self.expert_tp * self.ep)
 
     @property
     def num_model_chunks(self) -> int:
@@ -65,6 +74,7 @@ class ParallelDims:
                 f"tp {self.tp_rank}/{self.tp} pp {self.pp_rank}/{self.pp} dp {self.dp_rank}/{self.dp}"
                 + (f" vpp {self.vpp}" if self.vpp else "")
                 + (f" ep {self.ep_rank}/{self.ep}" if self.ep > 1 else "")
+                + (f" etp {self.etp_rank}/{self.expert_tp}" if self.expert_tp != self.tp else "")
                 # torchrun's node (group) and local rank: which node a rank is on when hostnames repeat
                 + f" node {os.environ.get('GROUP_RANK', '0')} local {os.environ.get('LOCAL_RANK', '0')}")
 
@@ -72,10 +82,10 @@ class ParallelDims:
 _dims: ParallelDims | None = None
 
 
-def check_layout(world: int, tp: int, pp: int, vpp: int | None = None, ep: int = 1) -> int:
+def check_layout(world: int, tp: int, pp: int, vpp: int | None = None, ep: int = 1, etp: int | None = None) -> int:
     """Validate a layout against a world size and return DP; raises ParallelLayoutError with the fix."""
-    if tp < 1 or pp < 1 or ep < 1:
-        raise ParallelLayoutError(f"tp, pp and ep must be >= 1, got tp={tp} pp={pp} ep={ep}")
+    if tp < 1 or pp < 1 or ep < 1 or (etp is not None and etp < 1):
+        raise ParallelLayoutError(f"tp, pp, ep and etp must be >= 1, got tp={tp} pp={pp} ep={ep} etp={etp}")
     if world % (tp * pp) != 0:
         raise ParallelLayoutError(
             f"world size {world} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; launch a multiple of "
@@ -83,11 +93,29 @@ def check_layout(world: int, tp: int, pp: int, vpp: int | None = None, ep: int =
     if vpp is not None and vpp > 1 and pp < 2:
         raise ParallelLayoutError(f"virtual pipeline (vpp={vpp}) needs pp >= 2, got pp={pp}; drop vpp or raise pp")
     dp = world // (tp * pp)
+    if etp not in (None, tp):
+        return _check_expert_layout(world, tp, pp, ep, etp, dp)
     if dp % ep != 0:  # megatron: world % (expert-TP x EP x PP) with expert-TP = TP
         raise ParallelLayoutError(
             f"ep={ep} does not divide the data-parallel size {dp} (world {world} / (tp*pp = {tp * pp})): the experts "
             f"are split over EP ranks taken from the data-parallel ones; pick ep from the divisors of {dp} or launch "
             f"a multiple of {tp * pp * ep} processes")
+    return dp
+
+
+def _check_expert_layout(world: int, tp: int, pp: int, ep: int, etp: int, dp: int) -> int:
+    """An expert-TP other than TP: megatron lays the experts out as expert-TP x EP x expert-DP x PP over the same
+    ranks, and mppo's HF export needs each expert-TP x EP block of ranks to hold whole TP groups."""
+    block = etp * ep
+    if (world // pp) % block:
+        raise ParallelLayoutError(
+            f"etp x ep = {etp} x {ep} = {block} does not divide the {world // pp} ranks of a pipeline stage (world "
+            f"{world} / pp {pp}); pick etp and ep whose product divides {world // pp}")
+    if block % tp:
+        raise ParallelLayoutError(
+            f"etp x ep = {etp} x {ep} = {block} is not a multiple of tp={tp}: each block of ranks holding one set of "
+            f"experts must hold whole TP groups (mppo's HF export); raise ep to a multiple of {tp // etp or 1}, or "
+            "leave etp = tp")
     return dp
 
 
@@ -98,10 +126,10 @@ def _env_world() -> tuple[int, int, int]:
     return 0, 1, 0
 
 
-def init_distributed(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: int = 1, timeout_s: float = 1800.0,
-                     seed: int | None = 1234) -> ParallelDims:
+def init_distributed(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: int = 1, etp: int | None = None,
+                     timeout_s: float = 1800.0, seed: int | None = 1234) -> ParallelDims:
     """Start torch.distributed (once per process) and build megatron's TP/PP/DP groups (and with `ep` > 1 the
-    expert-model-parallel and expert-data-parallel groups).
+    expert-model-parallel and expert-data-parallel groups; `etp`: the expert-tensor-parallel size, None = tp).
 
     nccl with CUDA, gloo (plus the megatron CPU compatibility layer) without it. Calling it again after
     `destroy()` builds a new layout on the same process group. `seed` seeds Python, torch and megatron's
@@ -110,10 +138,11 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: in
     """
     global _dims
     vpp = None if vpp in (None, 1) else vpp
+    etp = None if etp == tp else etp
     rank, world, local_rank = _env_world()
     if dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
-    dp = check_layout(world, tp, pp, vpp, ep)  # before any group is made (and before megatron's slow import)
+    dp = check_layout(world, tp, pp, vpp, ep, etp)  # before any group is made (and before megatron's slow import)
 
     from megatron.core import parallel_state
 
@@ -136,14 +165,15 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: in
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)))
     _dims = ParallelDims(
         tp=tp, pp=pp, vpp=vpp, dp=dp, world=world, rank=rank,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(), backend=backend, device=device,
-        ep=ep, ep_rank=parallel_state.get_expert_model_parallel_rank())
+        ep=ep, ep_rank=parallel_state.get_expert_model_parallel_rank(), etp=etp,
+        etp_rank=parallel_state.get_expert_tensor_parallel_rank())
     log.info("parallel layout: %s", _dims.describe())
     if seed is not None:
         seed_everything(seed)

@@ -36,7 +36,8 @@ def check_layout(megatron: MegatronConfig, dims: ParallelDims, role: str) -> Non
     wanted = {"tensor_model_parallel_size": (megatron.tensor_model_parallel_size, dims.tp),
               "pipeline_model_parallel_size": (megatron.pipeline_model_parallel_size, dims.pp),
               "virtual_pipeline_model_parallel_size": (megatron.virtual_pipeline_model_parallel_size, dims.vpp),
-              "expert_model_parallel_size": (megatron.expert_model_parallel_size, dims.ep)}
+              "expert_model_parallel_size": (megatron.expert_model_parallel_size, dims.ep),
+              "expert_tensor_parallel_size": (megatron.expert_tensor_parallel_size, dims.expert_tp)}
     for key, (configured, actual) in wanted.items():
         if key.startswith("virtual") and configured in (None, 1) and actual is None:
             continue

@@ -24,14 +24,16 @@ from models_parallel import (TEMPERATURE, compare_hf_dirs, hf_reference, max_dif
                              run_logits)
 from next_token import next_token_loss_step, token_logprobs  # noqa: E402
 
-# (tp, pp, ep) on 4 ranks; EP is taken from the data-parallel ranks
-LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2), (1, 1, 4)]
+# (tp, pp, ep) on 4 ranks; EP is taken from the data-parallel ranks. (tp, pp, ep, etp): expert-TP other than TP,
+# here whole experts split over the two TP ranks (EP over TP) while attention is TP-sharded
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2), (1, 1, 4), (2, 1, 2, 1)]
+EXPORT_LAYOUTS = [(1, 2, 2), (2, 1, 2), (2, 1, 2, 1)]
 DENSE_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1)]
 UNNORMED_LAYOUTS = [(1, 1, 1), (1, 1, 2)]
 
 
-def layout_name(tp: int, pp: int, ep: int) -> str:
-    return f"tp{tp}pp{pp}ep{ep}"
+def layout_name(tp: int, pp: int, ep: int, etp: int | None = None) -> str:
+    return f"tp{tp}pp{pp}ep{ep}" + (f"etp{etp}" if etp is not None else "")
 
 
 def models_for(layout) -> list[str]:
@@ -79,9 +81,11 @@ def moe_grad_diff(chunks, batches, args, hf) -> float:
                 got = layer.mlp.experts.local_experts[experts.index(3)].linear_fc2.weight.grad
                 from megatron.core import parallel_state as ps
                 tp, rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
-                # Every rank runs the same micro-batches, and the expert receives the tokens of all EP ranks: its
-                # gradient is EP x HF's (DDP's 1/DP scaling of expert gradients turns that into the batch mean).
-                ref = hf_layer.experts.down_proj.grad[3] * ps.get_expert_model_parallel_world_size()
+                # Every rank runs the same micro-batches, and the expert receives the tokens of all EP ranks, which
+                # hold TP / expert-TP different slices of the sequence (SP): its gradient is EP x expert-TP / TP x
+                # HF's (DDP's 1/DP scaling of expert gradients turns that into the batch mean).
+                copies = ps.get_expert_model_parallel_world_size() * tp // ps.get_tensor_model_parallel_world_size()
+                ref = hf_layer.experts.down_proj.grad[3] * copies
                 cols = ref.shape[1] // tp
                 ref = ref[:, rank * cols:(rank + 1) * cols]
                 diffs.append(((got - ref).abs().max() / ref.abs().max()).item())
@@ -118,10 +122,11 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
             res[f"bad_ep{ep}_tp{tp}"] = str(err)
 
     tp1_logits: dict[str, list] = {}
+    tp1_log_probs: dict[str, list] = {}
     for layout in LAYOUTS:
-        tp, pp, ep = layout
+        tp, pp, ep, etp = (*layout, None)[:4]
         key = layout_name(*layout)
-        dims = init_distributed(tp, pp, ep=ep, seed=1234)
+        dims = init_distributed(tp, pp, ep=ep, etp=etp, seed=1234)
         res[f"{key}/dims"] = [dims.tp_rank, dims.pp_rank, dims.dp_rank, dims.ep_rank, dims.dp, dims.expert_dp]
         for name in models_for(layout):
             args = margs[name]
@@ -138,6 +143,9 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
             if layout == (1, 1, 1):
                 tp1_logits[name] = outs
             lp = token_logprobs(chunks, batches[name], vocab_size=args.vocab_size, temperature=TEMPERATURE)
+            if layout == (1, 1, 1):
+                tp1_log_probs[name] = lp
+            res[f"{key}/{name}/log_probs_vs_tp1"] = max_diff(lp, tp1_log_probs[name], "log_probs")
             res[f"{key}/{name}/log_probs"] = max_diff(lp, refs[name], "log_probs")
             res[f"{key}/{name}/entropy"] = max_diff(lp, refs[name], "entropy")
             if name == "qwen3_moe" and tp == 1:
@@ -148,10 +156,11 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
                 load_hf_weights(chunks, work / name, args)
                 lp = token_logprobs(chunks, batches[name], vocab_size=args.vocab_size, temperature=TEMPERATURE)
                 res[f"{sp_key}/log_probs"] = max_diff(lp, refs[name], "log_probs")
+                res[f"{sp_key}/log_probs_vs_tp1"] = max_diff(lp, tp1_log_probs[name], "log_probs")
                 res[f"{sp_key}/entropy"] = max_diff(lp, refs[name], "entropy")
                 res[f"{sp_key}/grad"] = moe_grad_diff(chunks, batches[name], args, hf_models[name])
 
-            if layout in ((1, 2, 2), (2, 1, 2)) or (layout == (1, 2, 1) and name == "qwen3_tied"):
+            if layout in EXPORT_LAYOUTS or (layout == (1, 2, 1) and name == "qwen3_tied"):
                 exported = dict(iter_hf_weights(chunks, args))
                 res[f"{key}/{name}/export_names_equal"] = sorted(exported) == sorted(originals[name])
                 res[f"{key}/{name}/export_bitwise"] = all(
@@ -159,15 +168,16 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
                     for k in originals[name] if k in exported)
                 names = [n for b in bucketed(iter_hf_weights(chunks, args), bucket_bytes=40_000) for n, _ in b]
                 res[f"{key}/{name}/bucket_order_same"] = names == list(exported)
-            if layout == (1, 2, 2) and name == "qwen3_moe":
+            if layout in ((1, 2, 2), (2, 1, 2, 1)) and name == "qwen3_moe":
                 destinations_cases(chunks, args, originals[name], res, key, rank)
+            if layout == (1, 2, 2) and name == "qwen3_moe":
                 save_model_checkpoint(chunks, work / "moe_ckpt_ep2pp2", args)
         destroy()
 
     # The EP2 x PP2 dist checkpoint at EP1 x PP1 (and at TP2 x EP2): the same logits as loading HF directly.
-    for layout in ((1, 1, 1), (2, 1, 2)):
+    for layout in ((1, 1, 1), (2, 1, 2), (2, 1, 2, 1)):
         key = layout_name(*layout)
-        dims = init_distributed(layout[0], layout[1], ep=layout[2], seed=1234)
+        dims = init_distributed(layout[0], layout[1], ep=layout[2], etp=(*layout, None)[3], seed=1234)
         args = margs["qwen3_moe"]
         chunks = build_gpt_model(args, dims)
         load_model_checkpoint(chunks, work / "moe_ckpt_ep2pp2")
