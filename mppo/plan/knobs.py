@@ -90,7 +90,7 @@ def _trial(cfg: MppoConfig, overrides: dict[str, Any]) -> MppoConfig:
 
 def _context_parallel(cfg: MppoConfig, a: HFModelArgs, p: Plan, **plan_kwargs: Any
                       ) -> tuple[dict[str, Any], str] | None:
-    """The smallest CP (a multiple of the configured one) at which the training phase fits: each sequence split
+    """The smallest CP (the configured one x 2, 4, ...) at which the training phase fits: each sequence split
     over that many ranks, taken from DP. CP must leave DP whole and split the sequence into 2·CP equal chunks;
     when none fits, the largest such CP (it lowers the activations most)."""
     lays = [r.layout for r in p.roles]
