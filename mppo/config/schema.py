@@ -198,9 +198,9 @@ class ActorRolloutRefConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)  # training of the policy
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation
     ref: RefConfig = field(default_factory=RefConfig)  # frozen reference policy (for KL)
-    # true: every rank trains and generates (co-located); false: engine ranks apart from the trainer ranks
-    # (trainer.nnodes x n_gpus_per_node train, rollout.nnodes x n_gpus_per_node generate; mppo.parallel.placement)
-    hybrid_engine: bool = True
+    # false: trainer.nnodes x n_gpus_per_node ranks train, rollout.nnodes x n_gpus_per_node generate
+    # (mppo.parallel.placement)
+    hybrid_engine: bool = True  # true: every rank trains and generates (co-located); false: engine ranks beside
 
 
 # --------------------------------------------------------------------------------------------------------- critic

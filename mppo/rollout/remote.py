@@ -58,6 +58,7 @@ class GenerationRecord:
 class _Request:
     key: tuple
     received: list[RolloutResponse] | None = None
+    record: GenerationRecord | None = None
 
 
 # ---------------------------------------------------------------------------------------------- the weight stream
@@ -126,6 +127,7 @@ class RemoteRollout:
         self._outstanding: _Request | None = None
         self._ready: list[_Request] = []  # collected, not yet asked for
         self.records: list[GenerationRecord] = []  # since the last take_records()
+        self.last_record: GenerationRecord | None = None  # the generation the last generate() returned
         self._send({"op": "hello", "dtype": str(dtype).removeprefix("torch.")})
 
     def _send(self, message: dict[str, Any]) -> None:
@@ -141,7 +143,8 @@ class RemoteRollout:
         wait = time.perf_counter() - began
         version = answer["version"]
         request.received = [dataclasses.replace(r, policy_version=version) for r in unpack_responses(answer["packed"])]
-        self.records.append(GenerationRecord(version, answer["start"], answer["end"], wait))
+        request.record = GenerationRecord(version, answer["start"], answer["end"], wait)
+        self.records.append(request.record)
         self._ready.append(request)
 
     def sync_weights(self, model_chunks: Sequence[nn.Module], hf_args: HFModelArgs, *, bucket_bytes: int,
@@ -176,8 +179,9 @@ class RemoteRollout:
             if not any(r.key == key for r in self._ready):
                 self.prefetch(prompts, sampling, step=step, first_index=first_index)
         self._collect()
-        index = next(i for i, r in enumerate(self._ready) if r.key == key)
-        return self._ready.pop(index).received
+        request = self._ready.pop(next(i for i, r in enumerate(self._ready) if r.key == key))
+        self.last_record = request.record
+        return request.received
 
     def take_records(self) -> list[GenerationRecord]:
         records, self.records = self.records, []
