@@ -46,12 +46,13 @@ _ALIGN = 64  # bytes: every tensor of a bucket starts on a cache line, whatever 
 @dataclass(frozen=True)
 class GenerationRecord:
     """One generation the engines served: the weight version it used and when it ran (time.time() on the first
-    engine rank), and how long the trainer waited for it."""
+    engine rank), how long the trainer waited for it and when it had it (time.time())."""
 
     version: int
     start: float
     end: float
     trainer_wait_s: float
+    collected: float
 
 
 @dataclass
@@ -143,7 +144,7 @@ class RemoteRollout:
         wait = time.perf_counter() - began
         version = answer["version"]
         request.received = [dataclasses.replace(r, policy_version=version) for r in unpack_responses(answer["packed"])]
-        request.record = GenerationRecord(version, answer["start"], answer["end"], wait)
+        request.record = GenerationRecord(version, answer["start"], answer["end"], wait, time.time())
         self.records.append(request.record)
         self._ready.append(request)
 

@@ -69,8 +69,8 @@ class PipelineMetrics:
              ) -> dict[str, float]:
         """`records`: the generations collected during the step, in order (RemoteRollout.take_records);
         `batch_record`: the one that produced the step's training batch."""
-        metrics = {"async/trainer_idle_fraction":
-                   sum(r.trainer_wait_s for r in records) / max(step_end - step_start, 1e-9)}
+        waited = sum(r.trainer_wait_s for r in records if r.collected >= step_start)  # not validation's, before
+        metrics = {"async/trainer_idle_fraction": waited / max(step_end - step_start, 1e-9)}
         idle = cycle = 0.0
         for record in records:
             if self.previous_gen_end is not None:
