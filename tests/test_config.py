@@ -647,7 +647,7 @@ def test_to_yaml_round_trips(tmp_path):
     path = write(tmp_path, to_yaml(cfg))
     assert load(path=path) == cfg
     assert list(yaml.safe_load(to_yaml(cfg))) == ["data", "actor_rollout_ref", "critic", "algorithm", "reward",
-                                                   "trainer"]
+                                                   "trainer", "async_training"]
 
 
 def test_config_hash_is_stable_and_sensitive():

@@ -181,6 +181,8 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # samples per old-log-prob forward; null: actor's micro
     weight_bucket_mb: int = 512  # MiB per bucket when streaming weights to the engine
     free_cache_engine: bool = True  # release the engine's weights + KV cache while the trainer trains
+    nnodes: int = 1  # hybrid_engine=false: nodes holding engine ranks (veRL fully_async's rollout pool)
+    n_gpus_per_node: int = 1  # hybrid_engine=false: engine ranks per such node (mppo.parallel.placement)
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)  # sampling for validation
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # agent loop with tools
 
@@ -198,6 +200,9 @@ class ActorRolloutRefConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)  # training of the policy
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation
     ref: RefConfig = field(default_factory=RefConfig)  # frozen reference policy (for KL)
+    # false: trainer.nnodes x n_gpus_per_node ranks train, rollout.nnodes x n_gpus_per_node generate
+    # (mppo.parallel.placement)
+    hybrid_engine: bool = True  # true: every rank trains and generates (co-located); false: engine ranks beside
 
 
 # --------------------------------------------------------------------------------------------------------- critic
@@ -326,6 +331,13 @@ class TrainerConfig:
     rollout_data_dir: Optional[str] = None  # write each step's generations to <dir>/<step>.jsonl; null: off
 
 
+# ------------------------------------------------------------------------------------------------ async training
+@dataclass
+class AsyncTrainingConfig:
+    # 0: synchronous; 1: one-step off-policy, the engines generate step s+1 while step s trains (hybrid_engine=false)
+    max_off_policy_steps: int = 0
+
+
 @dataclass
 class MppoConfig:
     data: DataConfig = field(default_factory=DataConfig)
@@ -334,6 +346,7 @@ class MppoConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)  # off-policy pipeline
 
 
 # ------------------------------------------------------------------------------------------------- inheritance

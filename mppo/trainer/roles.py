@@ -11,7 +11,9 @@ from mppo.config import MppoConfig
 from mppo.config.decisions import ref_token_budget, uses_critic, uses_reference
 from mppo.core_algos import RolloutCorrectionParams
 from mppo.parallel import ParallelDims
+from mppo.parallel.placement import Side
 from mppo.rollout.factory import Rollout, build_rollout
+from mppo.rollout.remote import RemoteRollout
 from mppo.trainer.watchdog import StallWatchdog
 
 if TYPE_CHECKING:  # the workers import megatron: built lazily
@@ -59,12 +61,15 @@ def _offload(cfg: MppoConfig, actor: Any, critic: Any, ref: Any, device: torch.d
 
 
 def start_rollout(cfg: MppoConfig, given: Rollout | None, roles: Roles, watchdog: StallWatchdog,
-                  run_dir: Path) -> Rollout:
+                  run_dir: Path, *, side: Side | None = None) -> Rollout | RemoteRollout:
     """The launch's Rollout: `given` (checked against the config), else engines started now. They start after the
     models, with the state that every rollout phase offloads already offloaded: SGLang sizes its KV cache from the
     memory free at its start, which is then what each rollout phase has. They are released at once, until the
-    first weight sync."""
+    first weight sync. With `side` (hybrid_engine=false) the engines start on their own ranks (mppo.rollout.remote)."""
     rollout_cfg = cfg.actor_rollout_ref.rollout
+    if side is not None:
+        with watchdog.phase("start_rollout", 0):
+            return RemoteRollout(cfg, side, dtype=roles.actor.dtype)
     if given is not None:
         if (given.name, given.layout.engine_tp) != (rollout_cfg.name, rollout_cfg.tensor_model_parallel_size):
             raise ValueError(f"the Rollout given is {given.name} with engine TP {given.layout.engine_tp}; this "
