@@ -214,9 +214,11 @@ def _check_linear(linear: nn.Module, path: str) -> None:
         raise TypeError(f"LoRA adapts megatron-core's tensor-parallel linears; {path} is a {type(linear).__name__}")
 
 
-def apply_lora(model_chunks: Sequence[nn.Module], args: HFModelArgs, spec: LoRASpec) -> None:
-    """Freeze every parameter of these chunks and attach the adapters of `spec` to this rank's layers (collective
-    nothing: each rank builds its own shards). Call after the base weights are loaded, before DDP wrapping."""
+def apply_lora(model_chunks: Sequence[nn.Module], args: HFModelArgs, spec: LoRASpec,
+               base_dir: str | None = None) -> None:
+    """Freeze every parameter of these chunks and attach the adapters of `spec` to this rank's layers (nothing
+    collective: each rank builds its own shards). Call after the base weights are loaded, before DDP wrapping.
+    `base_dir`: the base model's HF directory, recorded (`lora_info`) for checkpoints."""
     from megatron.core import parallel_state as ps
 
     if args.is_moe:
@@ -225,6 +227,7 @@ def apply_lora(model_chunks: Sequence[nn.Module], args: HFModelArgs, spec: LoRAS
     for chunk in model_chunks:
         model = unwrap_model(chunk)
         model.requires_grad_(False)
+        model.lora_info = LoRAInfo(spec, base_dir)
         device = next(model.parameters()).device
         for layer in model.decoder.layers:
             for path, (linear_name, hf_module, kind) in LAYER_LINEARS.items():
@@ -239,6 +242,19 @@ def apply_lora(model_chunks: Sequence[nn.Module], args: HFModelArgs, spec: LoRAS
                     sequence_parallel=bool(model.config.sequence_parallel), device=device)
                 linear.register_forward_hook(_lora_hook)
                 linear.sharded_state_dict = _sharded_state_dict.__get__(linear)
+
+
+@dataclass(frozen=True)
+class LoRAInfo:
+    """What a LoRA model was built with: its spec and its base model's directory."""
+
+    spec: LoRASpec
+    base_dir: str | None
+
+
+def lora_info(model_chunks: Sequence[nn.Module]) -> LoRAInfo | None:
+    """The LoRAInfo of chunks built by apply_lora; None for a full-weight model."""
+    return getattr(unwrap_model(model_chunks[0]), "lora_info", None)
 
 
 def iter_adapters(model_chunks: Sequence[nn.Module]) -> Iterator[LinearAdapters]:

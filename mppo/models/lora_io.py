@@ -112,3 +112,65 @@ def read_peft_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, torch.Te
     if not (adapter_dir / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{adapter_dir} is not a PEFT adapter directory: {CONFIG_FILE} is missing")
     return json.loads((adapter_dir / CONFIG_FILE).read_text()), load_file(str(adapter_dir / WEIGHTS_FILE))
+
+
+# ----------------------------------------------------------------------------------------- checkpoints
+LORA_META = "lora.json"  # in a checkpoint directory of a LoRA model: the adapters' spec and their base
+_DIGESTS: dict[tuple, str] = {}
+
+
+def base_digest(hf_dir: str | Path) -> str:
+    """A digest of the base model's weights and config (blake2b over config.json and every *.safetensors file's
+    bytes); computed once per process and directory state (a 7B base reads ~15 GB once)."""
+    import hashlib
+
+    root = Path(hf_dir).resolve()
+    files = [root / "config.json", *sorted(root.glob("*.safetensors"))]
+    stamp = (str(root), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()))
+    if stamp not in _DIGESTS:
+        h = hashlib.blake2b(digest_size=16)
+        for f in files:
+            if f.is_file():
+                h.update(f.name.encode())
+                with f.open("rb") as handle:
+                    while chunk := handle.read(1 << 24):
+                        h.update(chunk)
+        _DIGESTS[stamp] = h.hexdigest()
+    return _DIGESTS[stamp]
+
+
+def write_lora_meta(ckpt_dir: Path, spec: LoRASpec, base_dir: str | Path) -> None:
+    """lora.json: the spec and the base model's directory and digest (so a resume on another base is refused)."""
+    meta = {"rank": spec.rank, "alpha": spec.alpha, "dropout": spec.dropout, "projections": list(spec.projections),
+            "seed": spec.seed, "base_path": str(Path(base_dir).resolve()), "base_digest": base_digest(base_dir)}
+    (ckpt_dir / LORA_META).write_text(json.dumps(meta, indent=1))
+
+
+def read_lora_meta(ckpt_dir: str | Path) -> dict | None:
+    """A checkpoint's lora.json, None for a full-weight checkpoint."""
+    path = Path(ckpt_dir) / LORA_META
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def spec_of(meta: dict) -> LoRASpec:
+    return LoRASpec(rank=meta["rank"], alpha=meta["alpha"], dropout=meta["dropout"],
+                    projections=tuple(meta["projections"]), seed=meta["seed"])
+
+
+def lora_mismatch(ckpt_dir: str | Path, spec: LoRASpec | None, base_dir: str | Path | None) -> str | None:
+    """Why a checkpoint cannot load into a model with these adapters on this base (None: it can)."""
+    meta = read_lora_meta(ckpt_dir)
+    if meta is None and spec is None:
+        return None
+    if meta is None or spec is None:
+        return ("the checkpoint holds LoRA adapters and this model has none (set actor_rollout_ref.model.lora as "
+                "saved)" if spec is None else "the checkpoint holds full weights and this model trains LoRA "
+                "adapters (set actor_rollout_ref.model.lora.rank=0 to resume it)")
+    saved = spec_of(meta)
+    if (saved.rank, saved.projections) != (spec.rank, spec.projections):
+        return (f"LoRA rank {saved.rank} on {list(saved.projections)} (checkpoint) vs rank {spec.rank} on "
+                f"{list(spec.projections)} (this model); use the saved lora settings")
+    if base_digest(base_dir) != meta["base_digest"]:
+        return (f"the adapters were trained on the base {meta['base_path']} (digest {meta['base_digest']}), this "
+                f"model's base {Path(base_dir).resolve()} has another digest; resume on the same base model")
+    return None
