@@ -310,8 +310,9 @@ def export_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor | Me
         yield name, param if adapters is None else MergedWeight(param, adapters)
 
 
-def lora_spec(lora_cfg, seed: int) -> LoRASpec:
-    """The LoRASpec of an `actor_rollout_ref.model.lora` section (mppo.config.schema.LoRAConfig)."""
+def lora_spec(lora_cfg, seed: int = 0) -> LoRASpec:
+    """The LoRASpec of an `actor_rollout_ref.model.lora` section (mppo.config.schema.LoRAConfig). The trainer keeps
+    seed 0: the initial A is then a function of the adapter's HF name alone, the same in every run and layout."""
     from mppo.config.lora import lora_projections
 
     return LoRASpec(rank=int(lora_cfg.rank), alpha=float(lora_cfg.alpha), dropout=float(lora_cfg.dropout),

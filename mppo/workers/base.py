@@ -75,7 +75,7 @@ def build_role_model(hf_dir: str | Path, dims: ParallelDims, *, role: Role, mode
                              **router_replay_overrides(router_replay, is_moe=args.is_moe))
     load_hf_weights(chunks, hf_dir, args)
     if role == "actor" and model_cfg.lora.rank > 0:  # LoRA: the base frozen, adapters trained (mppo.models.lora)
-        apply_lora(chunks, args, lora_spec(model_cfg.lora, seed=megatron.seed or 0), base_dir=str(hf_dir))
+        apply_lora(chunks, args, lora_spec(model_cfg.lora), base_dir=str(hf_dir))
     return args, chunks, dtype
 
 
