@@ -39,6 +39,19 @@ class DataConfig:
 
 # ---------------------------------------------------------------------------------------------- actor/rollout/ref
 @dataclass
+class LoRAConfig:
+    # veRL's Megatron LoRA keys; adapters on the actor's linears, the base frozen (mppo.models.lora)
+    rank: int = 0  # adapter rank; 0 = off (full fine-tuning)
+    alpha: float = 32.0  # the adapter output is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # dropout on the adapters' input (PEFT's lora_dropout)
+    # megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2), HF names (q_proj ... down_proj), all-linear
+    target_modules: List[str] = field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    exclude_modules: List[str] = field(default_factory=list)  # the same names, taken out of target_modules
+    merge: bool = True  # rollout: stream base + adapters merged to the engine (false, adapters only: not built)
+
+
+@dataclass
 class ModelConfig:
     path: Optional[str] = None  # HF model directory (config.json + safetensors); required to train
     tokenizer_path: Optional[str] = None  # tokenizer directory; null: model.path
@@ -47,6 +60,7 @@ class ModelConfig:
     # attention); local = megatron's unfused attention (materialises [heads, s, s] scores; a reference)
     transformer_impl: str = choice("auto", "te", "sdpa", "local")
     dtype: str = choice("auto", "fp32", "bf16")  # parameter dtype; auto = bf16 on cuda, fp32 on cpu
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA adapters instead of full-weight training
 
 
 @dataclass

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from mppo.config.keys import get_key, schema_leaves, show
+from mppo.config.lora import check_lora
 from mppo.config.resolve import resolve
 from mppo.config.schema import ACTOR, ConfigError, MppoConfig
 from mppo.config.validate_async import check_async, is_separate
@@ -502,6 +503,7 @@ def validate(cfg: MppoConfig, world_size: int | None = None) -> None:
     cfg = resolve(cfg)
     _check_choices(cfg)
     _check_ranges(cfg)
+    check_lora(cfg)
     _check_algorithm(cfg)
     _check_rollout_correction(cfg)
     world, world_text = _world(cfg, world_size)

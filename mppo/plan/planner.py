@@ -26,6 +26,7 @@ from typing import Any
 
 from mppo.config import MegatronConfig, MppoConfig, get_key, resolve
 from mppo.config.decisions import old_log_prob_pass, uses_critic, uses_reference, uses_sequence_parallel
+from mppo.config.lora import lora_enabled
 from mppo.models.hf_config import HFModelArgs
 from mppo.plan import memory as mem
 from mppo.plan.catalog import DEVICES, DeviceSpec, GiB
@@ -179,7 +180,8 @@ def _layouts(cfg: MppoConfig, world: int, seq: int) -> list[mem.RoleLayout]:
     dynamic = arr.actor.use_dynamic_bsz
     roles = [("actor", arr.actor, True)]
     roles += [("critic", cfg.critic, True)] if uses_critic(cfg) else []
-    roles += [("ref", arr.ref, False)] if uses_reference(cfg) else []
+    # LoRA: the reference is the actor's own frozen base (its adapters off), no model of its own
+    roles += [("ref", arr.ref, False)] if uses_reference(cfg) and not lora_enabled(cfg) else []
     out = []
     for role, section, trains in roles:
         m = section.megatron

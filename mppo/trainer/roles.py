@@ -9,6 +9,7 @@ import torch
 
 from mppo.config import MppoConfig
 from mppo.config.decisions import ref_token_budget, uses_critic, uses_reference
+from mppo.config.lora import lora_enabled
 from mppo.core_algos import RolloutCorrectionParams
 from mppo.parallel import ParallelDims
 from mppo.parallel.placement import Side
@@ -42,7 +43,8 @@ def build_roles(cfg: MppoConfig, dims: ParallelDims, *, total_steps: int,
     critic = (CriticWorker(arr.model, cfg.critic, dims, cfg.critic.model.path, total_steps=total_steps, rollout_n=n)
               if uses_critic(cfg) else None)
     ref = (ReferenceWorker(arr.model, arr.ref, dims, arr.model.path, logprob_impl=arr.actor.logprob_impl,
-                           kernel_backend=arr.actor.kernel_backend, max_token_len=ref_token_budget(cfg))
+                           kernel_backend=arr.actor.kernel_backend, max_token_len=ref_token_budget(cfg),
+                           lora_actor=actor if lora_enabled(cfg) else None)  # LoRA: the actor's base
            if uses_reference(cfg) else None)
     return Roles(actor, critic, ref, _offload(cfg, actor, critic, ref, torch.device(dims.device)))
 
@@ -55,7 +57,7 @@ def _offload(cfg: MppoConfig, actor: Any, critic: Any, ref: Any, device: torch.d
     if critic is not None:
         c = cfg.critic.megatron
         offload.append(("critic", critic.model, critic.optimizer, c.param_offload, c.optimizer_offload))
-    if ref is not None:
+    if ref is not None and not ref.shares_actor:  # a LoRA reference is the actor's model, offloaded with it
         offload.append(("ref", ref.model, None, cfg.actor_rollout_ref.ref.megatron.param_offload, False))
     return TrainerStateOffload(offload, device)
 
