@@ -1,23 +1,13 @@
-"""HF transformers + a PEFT LoRA adapter directory, as the independent reference for mppo's LoRA.
-
-With `peft` installed this is `peft.PeftModel.from_pretrained`. Without it (the shared test venv has no peft), the
-adapter is applied by hand the way PEFT's LoRA Linear computes it, reading only the files: every
-`base_model.model.<module>.lora_A.weight` / `.lora_B.weight` pair of adapter_model.safetensors adds
-`lora_B(lora_A(x)) * lora_alpha / r` to `<module>`'s output (PEFT's format, docs/developer_guides/checkpoint.md).
-Nothing of mppo is used here.
+"""HF transformers + a PEFT LoRA adapter directory (`peft.PeftModel.from_pretrained`), the independent reference
+for mppo's LoRA. Nothing of mppo is used here. peft is in the `test` extra (pinned in constraints-cpu.txt).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-try:
-    import peft  # noqa: F401
-    HAVE_PEFT = True
-except ImportError:
-    HAVE_PEFT = False
+HAVE_PEFT = True  # reported in the worker results: the reference is the real package
 
 
 def random_adapter_tensors(shapes: dict[str, tuple[int, int]], layers: int, projections, rank: int,
@@ -35,26 +25,7 @@ def random_adapter_tensors(shapes: dict[str, tuple[int, int]], layers: int, proj
 
 
 def with_adapter(hf_model, adapter_dir: Path):
-    """`hf_model` with the adapter of `adapter_dir` applied (PEFT when installed, else by hand; in place)."""
-    if HAVE_PEFT:
-        from peft import PeftModel
+    """`hf_model` with the adapter of `adapter_dir` applied by PEFT."""
+    from peft import PeftModel
 
-        return PeftModel.from_pretrained(hf_model, str(adapter_dir)).eval()
-    from safetensors.torch import load_file
-
-    config = json.loads((adapter_dir / "adapter_config.json").read_text())
-    assert config["peft_type"] == "LORA" and not config.get("use_rslora") and not config.get("use_dora")
-    scale = config["lora_alpha"] / config["r"]
-    tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    for key in tensors:
-        if not key.endswith(".lora_A.weight"):
-            continue
-        module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-        assert module.rsplit(".", 1)[1] in config["target_modules"], module
-        a, b = tensors[key], tensors[key.replace(".lora_A.", ".lora_B.")]
-
-        def hook(_, inputs, output, a=a, b=b):
-            return output + torch.nn.functional.linear(torch.nn.functional.linear(inputs[0], a), b) * scale
-
-        hf_model.get_submodule(module).register_forward_hook(hook)
-    return hf_model
+    return PeftModel.from_pretrained(hf_model, str(adapter_dir)).eval()
