@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mppo.config import MppoConfig, load_config
+from mppo.config.lora import check_lora_model
 from mppo.config.validate import check_shared_layout
 
 
@@ -60,6 +61,8 @@ def check_models(cfg: MppoConfig) -> None:
     paths = [model.path] + ([cfg.critic.model.path] if cfg.critic.enable else [])
     for path in dict.fromkeys(p for p in paths if p):
         if (Path(path).expanduser() / "config.json").is_file():
-            read_hf_config(Path(path).expanduser())
+            facts = read_hf_config(Path(path).expanduser())
+            if path == model.path:
+                check_lora_model(cfg, facts.model_type, facts.is_moe)
     for path in dict.fromkeys(p for p in [*paths, model.tokenizer_path] if p):
         check_remote_code(path, model.trust_remote_code)

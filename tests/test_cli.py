@@ -22,6 +22,8 @@ RECIPES = {  # recipe -> the world size it is meant for
     "countdown_qwen2.5_3b_ppo.yaml": 2,
     "gsm8k_qwen2.5_7b_grpo.yaml": 8,
     "qwen2.5_32b_4node.yaml": 32,
+    "qwen3_30b_a3b_grpo.yaml": 16,
+    "qwen2_5_7b_grpo_32k_cp.yaml": 8,
 }
 
 
@@ -76,6 +78,13 @@ def test_recipe_purposes():
     assert layout("countdown_qwen2.5_3b_ppo.yaml") == ("gae", True, 2, 1, "sglang")
     assert layout("gsm8k_qwen2.5_7b_grpo.yaml") == ("grpo", False, 2, 1, "sglang")
     assert layout("qwen2.5_32b_4node.yaml") == ("grpo", False, 8, 4, "sglang")
+    assert layout("qwen3_30b_a3b_grpo.yaml") == ("grpo", False, 2, 1, "sglang")
+    moe = load_config(str(REPO / "configs/qwen3_30b_a3b_grpo.yaml")).actor_rollout_ref.actor.megatron
+    assert (moe.expert_model_parallel_size, moe.sequence_parallel, moe.use_distributed_optimizer) == (8, True, True)
+    assert layout("qwen2_5_7b_grpo_32k_cp.yaml") == ("grpo", False, 2, 1, "sglang")
+    long = load_config(str(REPO / "configs/qwen2_5_7b_grpo_32k_cp.yaml"))
+    assert long.actor_rollout_ref.actor.megatron.context_parallel_size == 4
+    assert long.data.max_prompt_length + long.data.max_response_length == 32768
 
 
 def test_dry_run_applies_overrides_in_any_position(capsys):

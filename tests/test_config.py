@@ -695,7 +695,7 @@ def test_to_yaml_round_trips(tmp_path):
     path = write(tmp_path, to_yaml(cfg))
     assert load(path=path) == cfg
     assert list(yaml.safe_load(to_yaml(cfg))) == ["data", "actor_rollout_ref", "critic", "algorithm", "reward",
-                                                   "trainer"]
+                                                   "trainer", "async_training"]
 
 
 def test_config_hash_is_stable_and_sensitive():
@@ -714,3 +714,34 @@ def test_every_schema_key_is_settable_by_override():
             value = getattr(value, part)
         text = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
         assert load(f"{key}={text}") == cfg, key
+
+
+# ------------------------------------------------------------------------------------------------------------ LoRA
+@pytest.mark.parametrize("overrides, expected", [
+    (["actor_rollout_ref.model.lora.rank=-1"], "actor_rollout_ref.model.lora.rank = -1: must be >= 0"),
+    (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.target_modules=[q_proj,qkv]"],
+     "actor_rollout_ref.model.lora.target_modules = 'qkv' is not a module LoRA can adapt"),
+    (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.exclude_modules=[all-linear]"],
+     "leaves nothing to adapt"),
+    (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.merge=false"],
+     "actor_rollout_ref.model.lora.merge = false: pushing adapters to the engine without merging is not built"),
+    (["critic.model.lora.rank=8"], "unknown key 'critic.model.lora.rank'"),  # the critic trains full weights
+])
+def test_lora_errors_are_one_line_naming_the_key(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_lora_target_names_map_to_hf_projections():
+    from mppo.config.lora import check_lora_model, lora_projections
+
+    assert lora_projections(["linear_qkv", "linear_fc2"], []) == ("q_proj", "k_proj", "v_proj", "down_proj")
+    assert lora_projections(["all-linear"], ["linear_fc1", "q_proj"]) == ("k_proj", "v_proj", "o_proj",
+                                                                          "down_proj")
+    assert lora_projections(["o_proj", "gate_proj"], []) == ("o_proj", "gate_proj")
+    cfg = load_config(None, ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.target_modules=all-linear"])
+    assert cfg.actor_rollout_ref.model.lora.target_modules == ["all-linear"]
+    check_lora_model(cfg, "qwen2", is_moe=False)
+    with pytest.raises(ConfigError, match="LoRA on MoE experts is not built"):
+        check_lora_model(cfg, "qwen3_moe", is_moe=True)

@@ -128,3 +128,32 @@ def test_every_cpu_compat_patch_is_still_needed(ranks):
             assert without not in ("no error", "no probe for this patch"), \
                 f"patch {name!r}: its call site works without it ({without}); remove the patch"
             assert r[f"cpu_compat/{name}/with"] == "ok", f"patch {name!r} does not make its call site work"
+
+
+LORA_LAYOUTS = ("tp2pp2", "tp2pp1", "tp1pp2", "tp1pp1")
+
+
+@pytest.mark.parametrize("layout", LORA_LAYOUTS)
+def test_lora_matches_hf_peft_and_tp1(ranks, layout):
+    """LoRA (all-linear, per-projection adapters on the fused linear_qkv / linear_fc1) loaded from one set of full
+    PEFT tensors at each layout: log-probs and gradients equal HF + those tensors as a PEFT adapter, and TP1."""
+    key = f"{layout}/qwen2_untied/lora"
+    assert min(on_every_rank(ranks, f"{key}/effect")) > 0.1  # the adapters change the model, so this tests them
+    assert max(on_every_rank(ranks, f"{key}/log_probs_vs_peft")) <= 1e-5
+    assert max(on_every_rank(ranks, f"{key}/logits_vs_peft")) <= 1e-4
+    assert max(on_every_rank(ranks, f"{key}/log_probs_vs_tp1")) <= 1e-5
+    assert max(on_every_rank(ranks, f"{key}/grad_vs_hf")) <= 1e-5  # relative, over every adapter tensor
+    if layout.startswith("tp2"):  # sequence parallelism: the adapters' SP collectives and SP-partial grads
+        assert max(on_every_rank(ranks, f"{key}/sp_log_probs_vs_peft")) <= 1e-5
+        assert max(on_every_rank(ranks, f"{key}/sp_grad_vs_hf")) <= 1e-5
+
+
+@pytest.mark.parametrize("layout", LORA_LAYOUTS)
+def test_lora_b0_and_disabled_equal_the_base_and_export_is_peft_and_merged(ranks, layout):
+    key = f"{layout}/qwen2_untied/lora"
+    assert all(on_every_rank(ranks, f"{key}/base_frozen"))  # only adapter parameters require grad
+    assert all(on_every_rank(ranks, f"{key}/b0_bitwise"))  # B = 0 at start: the base exactly
+    assert all(on_every_rank(ranks, f"{key}/disabled_bitwise"))  # adapters_disabled: the reference = the base
+    assert all(on_every_rank(ranks, f"{key}/gather_bitwise"))  # TP shards -> the full PEFT tensors back
+    assert all(on_every_rank(ranks, f"{key}/merged_export_names"))
+    assert max(on_every_rank(ranks, f"{key}/merged_export_vs_by_hand")) <= 1e-6  # W + B @ A * alpha / r

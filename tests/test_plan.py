@@ -179,6 +179,65 @@ def test_activations_equal_korthikanti_closed_form():
         assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "full", sp=True), 2 * s * b * h / t)
 
 
+def test_context_parallel_activations_equal_the_closed_form_at_the_local_sequence():
+    """CP splits each sequence into 2·CP chunks, two per rank: a layer keeps Korthikanti's bytes for s/CP tokens,
+    with the unfused scores of s/CP queries against all s keys (so every row scales as 1/CP), with and without SP;
+    the all-gathered K/V of one layer (GQA: 2 of 6 heads) and, in the backward, their gradients, by hand."""
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan.memory import Precision, cp_kv_gather_bytes, layer_activation_bytes
+
+    h, a, s, b = 768, 12, 1024, 2
+    args = read_hf_config({"model_type": "llama", "hidden_size": h, "intermediate_size": 8 * h // 3,
+                           "num_hidden_layers": 2, "num_attention_heads": a, "num_key_value_heads": a,
+                           "vocab_size": 1000})
+    prec = Precision.for_dtype(2, flash_attention=False)
+    for cp in (1, 2, 4, 8):
+        local = s / cp  # tokens of this rank's two chunks
+        for t in (1, 2, 4):
+            dropout = 2 * local * b * h  # the paper's dropout masks, which mppo's models do not have
+            scores_gone = 3 * a * local * s * b / t  # of 5as²b/t: the score mask and the dropout output
+            paper_none = local * b * h * (10 + 24 / t) + 5 * a * local * s * b / t
+            assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "none", cp=cp),
+                                paper_none - dropout - scores_gone)
+            assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "selective", cp=cp),
+                                local * b * h * (10 + 24 / t) - dropout)
+            assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "full", cp=cp), 2 * local * b * h)
+            paper_sp_none = local * b * h * 34 / t + 5 * a * local * s * b / t
+            assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "none", sp=True, cp=cp),
+                                paper_sp_none - dropout / t - scores_gone)
+            assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "selective", sp=True, cp=cp),
+                                local * b * h * 34 / t - dropout / t)
+            assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "full", sp=True, cp=cp),
+                                2 * local * b * h / t)
+    gqa = read_hf_config({"model_type": "qwen2", "hidden_size": 384, "intermediate_size": 1024,
+                          "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2,
+                          "vocab_size": 1000})  # head_dim 64
+    kv = 2 * s * b * 2 * 64 * 2  # K and V, every token, both KV heads, bf16
+    for t in (1, 2):
+        assert cp_kv_gather_bytes(gqa, t, s, b, prec, 1, backward=True) == 0
+        assert cp_kv_gather_bytes(gqa, t, s, b, prec, 4, backward=False) == kv / t
+        assert cp_kv_gather_bytes(gqa, t, s, b, prec, 4, backward=True) == 2 * kv / t  # + dK, dV before the scatter
+
+
+def test_context_parallel_training_peak_and_optimizer_shards():
+    """Under CP the stage's stored activations are CP1's / CP, the peak adds one layer's gathered K/V and grads,
+    and the distributed optimizer shards over DP x CP (megatron's data-parallel group with context parallelism)."""
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan.memory import Precision, cp_kv_gather_bytes, model_state, training_activations
+
+    args = read_hf_config(TINY)
+    prec = Precision.for_dtype(2, flash_attention=True)
+    cp1 = _layout(dp=4, distributed=True, micro=2)
+    cp2 = dataclasses.replace(cp1, dp=2, cp=2)
+    per1, peak1 = training_activations(args, cp1, prec, 4096, stage=0)
+    per2, peak2 = training_activations(args, cp2, prec, 4096, stage=0)
+    assert math.isclose(per2, per1 / 2)
+    assert math.isclose(peak2, peak1 / 2 + cp_kv_gather_bytes(args, 1, 4096, 2, prec, 2, backward=True))
+    state1, state2 = model_state(args, cp1, prec, 0), model_state(args, cp2, prec, 0)
+    assert (state2.weights, state2.grads, state2.optimizer) == (state1.weights, state1.grads, state1.optimizer)
+    assert state2.optimizer == math.ceil(state2.optimizer_unsharded / 4)
+
+
 def test_moe_layer_activations_hand_count():
     """A Qwen3-MoE layer (8 experts, top-2, expert width 48) keeps, per token, hand-counted: the two norms' and the
     QKV projection's inputs (3h), the k dispatched expert inputs (2h) and the router's fp32 scores (8 x 4 bytes);
@@ -299,6 +358,14 @@ def test_every_recipe_plans_with_sensible_numbers(tmp_path, monkeypatch):
     gsm = plans["gsm8k_qwen2.5_7b_grpo.yaml"]
     actor7 = gsm.roles[0]
     assert actor7.layout.dp == 4 and actor7.state.optimizer == math.ceil(actor7.state.optimizer_unsharded / 4)
+    moe = plans["qwen3_30b_a3b_grpo.yaml"]
+    lay = moe.roles[0].layout
+    assert (lay.tp, lay.ep, lay.dp, lay.sp, moe.world) == (2, 8, 8, True, 16) and moe.moe.experts_per_rank == 16
+    assert moe.fits  # H100
+    long = plans["qwen2_5_7b_grpo_32k_cp.yaml"]
+    lay = long.roles[0].layout
+    assert (lay.tp, lay.cp, lay.dp, lay.sp, long.sequence_len) == (2, 4, 1, True, 32768)
+    assert long.fits and long.logprob.tokens == 32768 / 4  # H100; each rank scores its 1/CP of the sequence
     demo = plans["demo_cpu.yaml"]
     assert demo.dtype == "fp32" and demo.step is None and demo.fits
     # a CPU rank: the process, and the CPU engine's fp32 weights (134,515,008 parameters, transformers' count of the
@@ -308,6 +375,26 @@ def test_every_recipe_plans_with_sensible_numbers(tmp_path, monkeypatch):
     assert real.engine_resident == 134_515_008 * 4 and real.runtime_reserve > 0
     assert real.allocator_retained == real.training_phases["update_actor"] == max(real.training_phases.values())
     assert all(p.engine_resident == 0 and p.allocator_retained == 0 for p in plans.values() if p.device.peak_flops)
+
+
+def test_the_scale_out_recipes_fit_h100_and_h200_nodes_and_need_their_cp():
+    """configs/qwen3_30b_a3b_grpo.yaml and configs/qwen2_5_7b_grpo_32k_cp.yaml fit both devices; the long-response
+    recipe does not fit an H100 at CP1, and the planner's CP suggestion then fits."""
+    from mppo.config import load_config
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan import known_config, plan
+
+    for name in ("qwen3_30b_a3b_grpo.yaml", "qwen2_5_7b_grpo_32k_cp.yaml"):
+        cfg = load_config(str(REPO / "configs" / name))
+        args = read_hf_config(known_config(cfg.actor_rollout_ref.model.path)[1])
+        for device in ("h100", "h200"):
+            assert plan(cfg, args, device=device).fits, (name, device)
+    recipe = str(REPO / "configs/qwen2_5_7b_grpo_32k_cp.yaml")
+    args = read_hf_config(known_config("Qwen2.5-7B")[1])
+    cp1 = plan(load_config(recipe, ["actor_rollout_ref.actor.megatron.context_parallel_size=1"]), args)
+    assert not cp1.fits_training
+    cp = [s for s in cp1.suggestions if "context_parallel_size" in s.overrides[0]]
+    assert cp and cp[0].fits and cp[0].overrides[0].endswith("=2")
 
 
 def test_suggestions_make_an_oversized_config_fit():
@@ -329,6 +416,59 @@ def test_suggestions_make_an_oversized_config_fit():
                           ["actor_rollout_ref.actor.megatron.use_distributed_optimizer=false",
                            "actor_rollout_ref.actor.megatron.recompute=none", *best.overrides])
     assert plan(applied, args).fits
+
+
+def _long_7b(*overrides: str):
+    """The GSM8K 7B recipe with 32k-token responses, one sequence per micro-batch: too long for CP1 on an H100."""
+    from mppo.config import load_config
+
+    return load_config(str(REPO / "configs/gsm8k_qwen2.5_7b_grpo.yaml"),
+                       ["data.max_response_length=32768", "data.train_batch_size=128",
+                        "actor_rollout_ref.actor.ppo_mini_batch_size=32",
+                        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+                        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1", *overrides])
+
+
+def test_a_sequence_too_long_for_one_rank_gets_the_smallest_context_parallelism_that_fits():
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan import known_config, plan
+
+    args = read_hf_config(known_config("Qwen2.5-7B")[1])
+    cp_keys = ("actor_rollout_ref.actor.megatron.context_parallel_size",
+               "actor_rollout_ref.ref.megatron.context_parallel_size")
+    p = plan(_long_7b(), args)
+    assert p.roles[0].layout.cp == 1 and not p.fits_training
+    cp = [s for s in p.suggestions if any(o.startswith(cp_keys[0]) for o in s.overrides)]
+    assert len(cp) == 1 and cp[0].fits and cp[0].problem is None  # one CP suggestion: the smallest that fits
+    assert cp[0].overrides == tuple(f"{k}=2" for k in cp_keys) and "TP2 PP1 CP2 DP2" in cp[0].why
+    applied = plan(_long_7b(*cp[0].overrides), args)
+    assert applied.fits and applied.roles[0].layout.dp == 2 and applied.logprob.tokens == (1024 + 32768) / 2
+    assert applied.training_peak == cp[0].training_peak
+    # on a smaller device CP2 is not enough: the smallest CP that fits is 4
+    small = plan(_long_7b(), args, 70 * GiB)
+    assert plan(_long_7b(*cp[0].overrides), args, 70 * GiB).fits_training is False
+    cp = [s for s in small.suggestions if any(o.startswith(cp_keys[0]) for o in s.overrides)]
+    assert cp[0].overrides == tuple(f"{k}=4" for k in cp_keys) and cp[0].fits
+    assert plan(_long_7b(*cp[0].overrides), args, 70 * GiB).fits
+
+
+def test_a_context_parallel_size_that_does_not_divide_the_world_is_refused(capsys):
+    """As a TP that does not divide the world: a PlanError naming the key (the config validation may refuse it
+    first, naming it too), and `mppo plan` exits 2 with one line."""
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan import known_config, plan
+    from mppo.plan.memory import PlanError
+
+    args = read_hf_config(known_config("Qwen2.5-7B")[1])
+    bad = _long_7b()
+    bad.actor_rollout_ref.actor.megatron.context_parallel_size = 3  # past the config validation
+    with pytest.raises(PlanError, match=r"actor.megatron.context_parallel_size = 3: TP x PP x CP = 2 x 1 x 3 does "
+                                        r"not divide the 8 GPUs"):
+        plan(bad, args)
+    code, out, err = _run_plan(capsys, str(REPO / "configs/qwen2_5_7b_grpo_32k_cp.yaml"), "--hf-config", "auto",
+                               "actor_rollout_ref.actor.megatron.context_parallel_size=3")
+    assert code == 2 and out == "" and "context_parallel_size" in err and err.count("\n") == 1, err
 
 
 def test_step_time_has_no_old_log_prob_pass_when_the_trainer_reuses_the_update_forward():
@@ -396,7 +536,8 @@ def test_cli_text_json_and_errors(capsys):
 def test_plans_md_is_up_to_date(tmp_path, capsys, monkeypatch):
     """bench/PLANS.md is what `mppo plan <GPU recipes> --hf-config auto --markdown` prints today."""
     recipes = ["configs/countdown_qwen2.5_3b_ppo.yaml", "configs/gsm8k_qwen2.5_7b_grpo.yaml",
-               "configs/qwen2.5_32b_4node.yaml"]
+               "configs/qwen2.5_32b_4node.yaml", "configs/qwen3_30b_a3b_grpo.yaml",
+               "configs/qwen2_5_7b_grpo_32k_cp.yaml"]
     monkeypatch.chdir(REPO)
     out = tmp_path / "PLANS.md"
     code, _, err = _run_plan(capsys, *recipes, "--hf-config", "auto", "--markdown", "--out", str(out))

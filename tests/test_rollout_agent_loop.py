@@ -155,13 +155,13 @@ def test_build_agent_loop_rejects_what_cannot_work(tmp_path):
 
 
 def test_responses_keep_their_loss_masks_through_the_factory_gather():
-    from mppo.rollout.factory import _pack, _unpack
+    from mppo.rollout.factory import pack_responses, unpack_responses
 
     agent = [RolloutResponse(4, 1, [5, 6, 7], [-0.25, 0.0, -1.5], "length", loss_mask=[1, 0, 1], num_tool_calls=2),
              RolloutResponse(9, 0, [8], [-0.125], "stop", loss_mask=[1], num_tool_calls=0)]
-    assert _unpack(_pack(agent)) == agent
+    assert unpack_responses(pack_responses(agent)) == agent
     plain = [RolloutResponse(3, 0, [1, 2], [-0.5, -0.75], "stop")]
-    assert _unpack(_pack(plain)) == plain
+    assert unpack_responses(pack_responses(plain)) == plain
 
 
 def test_trainer_rejects_an_impossible_multi_turn_config_before_building_models():

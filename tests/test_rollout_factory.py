@@ -9,7 +9,7 @@ import yaml
 
 from mppo.config import ConfigError
 from mppo.rollout import RolloutResponse
-from mppo.rollout.factory import _pack, _unpack, rollout_layout
+from mppo.rollout.factory import pack_responses, rollout_layout, unpack_responses
 from dist_util import REPO
 
 
@@ -39,8 +39,8 @@ def test_packed_responses_round_trip():
     responses = [RolloutResponse(3, 0, [5, 6, 7], [-0.5, -1.25, -3.0], "stop"),
                  RolloutResponse(3, 1, [], [], "length"),
                  RolloutResponse(4, 0, [9], [-1e-7], "length")]
-    assert _unpack(_pack(responses)) == responses
-    assert _unpack(_pack([])) == []
+    assert unpack_responses(pack_responses(responses)) == responses
+    assert unpack_responses(pack_responses([])) == []
 
 
 def test_packed_routed_experts_round_trip():
@@ -49,10 +49,10 @@ def test_packed_routed_experts_round_trip():
     routes = [torch.randint(0, 8, (n, 3, 2), dtype=torch.int32) for n in (4, 2)]
     responses = [RolloutResponse(0, 0, [5, 6], [-0.5, -1.0], "stop", routed_experts=routes[0]),
                  RolloutResponse(1, 0, [9], [-2.0], "length", routed_experts=routes[1])]
-    back = _unpack(_pack(responses))
+    back = unpack_responses(pack_responses(responses))
     assert [(r.prompt_index, r.token_ids, r.log_probs) for r in back] == [(0, [5, 6], [-0.5, -1.0]), (1, [9], [-2.0])]
     assert all(torch.equal(a.routed_experts, b) for a, b in zip(back, routes))
-    assert all(r.routed_experts is None for r in _unpack(_pack([RolloutResponse(0, 0, [1], [0.0], "stop")])))
+    assert all(r.routed_experts is None for r in unpack_responses(pack_responses([RolloutResponse(0, 0, [1], [0.0], "stop")])))
 
 
 def _load(*overrides: str, world: int = 2):

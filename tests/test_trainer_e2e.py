@@ -83,3 +83,24 @@ def test_bf16_model_checkpoints_and_resumes(assets, tmp_path):
     assert "resumed from" in proc.stderr
     m = step_metrics(run)
     assert sorted(m) == [0, 1, 2] and m[2]["actor/grad_norm"] > 0 and m[2]["critic/vf_loss"] > 0
+
+
+def test_lora_grpo_tp2_with_kl_rollout_matches_actor(assets, tmp_path):
+    """GRPO with LoRA (rank 8, all-linear) and the KL loss at TP2: the reference is the actor's base (no second
+    model), the engine gets base + adapters merged, and its log-probs match the actor's after the adapters moved;
+    each checkpoint holds the adapters (lora.json names the base)."""
+    run = tmp_path / "lora"
+    train(2, tiny_overrides(assets, run, world=2, tp=2, steps=3, estimator="grpo", n=4) + [
+        "critic.enable=false", "algorithm.use_kl_in_reward=false", "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.optim.lr=5e-3",
+        "actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=16",
+        "actor_rollout_ref.model.lora.target_modules=all-linear"] + dense_reward(assets))
+    m = step_metrics(run)
+    assert sorted(m) == [0, 1, 2, 3]
+    # step 1 starts at B = 0 (the policy is the base = the reference); the adapters then move it away
+    assert 0 < m[1]["actor/kl_loss"] < m[3]["actor/kl_loss"]
+    for step in (1, 2, 3):
+        # fp32: the merged weights are exact (measured ~3e-9); the engine serving the unmerged base gives ~1e-3
+        assert m[step]["training/rollout_probs_diff_max"] < 1e-5, (step, m[step]["training/rollout_probs_diff_max"])
+    actor_ckpt = run / "checkpoints" / "global_step_3" / "actor"
+    assert (actor_ckpt / "lora.json").is_file()

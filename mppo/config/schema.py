@@ -39,6 +39,19 @@ class DataConfig:
 
 # ---------------------------------------------------------------------------------------------- actor/rollout/ref
 @dataclass
+class LoRAConfig:
+    # veRL's Megatron LoRA keys; adapters on the actor's linears, the base frozen (mppo.models.lora)
+    rank: int = 0  # adapter rank; 0 = off (full fine-tuning)
+    alpha: float = 32.0  # the adapter output is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # dropout on the adapters' input (PEFT's lora_dropout)
+    # megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2), HF names (q_proj ... down_proj), all-linear
+    target_modules: List[str] = field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    exclude_modules: List[str] = field(default_factory=list)  # the same names, taken out of target_modules
+    merge: bool = True  # rollout: stream base + adapters merged to the engine (false, adapters only: not built)
+
+
+@dataclass
 class ModelConfig:
     path: Optional[str] = None  # HF model directory (config.json + safetensors); required to train
     tokenizer_path: Optional[str] = None  # tokenizer directory; null: model.path
@@ -47,6 +60,7 @@ class ModelConfig:
     # attention); local = megatron's unfused attention (materialises [heads, s, s] scores; a reference)
     transformer_impl: str = choice("auto", "te", "sdpa", "local")
     dtype: str = choice("auto", "fp32", "bf16")  # parameter dtype; auto = bf16 on cuda, fp32 on cpu
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA adapters instead of full-weight training
 
 
 @dataclass
@@ -80,6 +94,7 @@ class MegatronConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None  # model chunks per stage (interleaved 1F1B); 1 = none
     expert_model_parallel_size: Optional[int] = None  # EP: ranks splitting each MoE layer's experts (from DP)
     sequence_parallel: Optional[bool] = None  # SP: activations split along the sequence over TP; null = on iff TP > 1
+    context_parallel_size: Optional[int] = None  # CP: each sequence split over CP ranks (2*CP load-balanced chunks)
     use_distributed_optimizer: Optional[bool] = None  # shard optimizer state over DP ranks (ZeRO-1)
     overlap_grad_reduce: Optional[bool] = None  # DP grad reduction bucket by bucket in the backward; null = on iff NCCL
     overlap_param_gather: Optional[bool] = None  # dist. optimizer: param all-gather in the next forward; null = NCCL
@@ -95,6 +110,7 @@ class MegatronConfig:
 def actor_megatron_defaults() -> MegatronConfig:
     return MegatronConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                           virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
+                          context_parallel_size=1,
                           use_distributed_optimizer=True, recompute="none", seed=None, param_offload=False,
                           optimizer_offload=False,
                           override_transformer_config=TransformerOverrides(moe_aux_loss_coeff=0.0,
@@ -182,6 +198,8 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # samples per old-log-prob forward; null: actor's micro
     weight_bucket_mb: int = 512  # MiB per bucket when streaming weights to the engine
     free_cache_engine: bool = True  # release the engine's weights + KV cache while the trainer trains
+    nnodes: int = 1  # hybrid_engine=false: nodes holding engine ranks (veRL fully_async's rollout pool)
+    n_gpus_per_node: int = 1  # hybrid_engine=false: engine ranks per such node (mppo.parallel.placement)
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)  # sampling for validation
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # agent loop with tools
 
@@ -199,6 +217,9 @@ class ActorRolloutRefConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)  # training of the policy
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation
     ref: RefConfig = field(default_factory=RefConfig)  # frozen reference policy (for KL)
+    # false: trainer.nnodes x n_gpus_per_node ranks train, rollout.nnodes x n_gpus_per_node generate
+    # (mppo.parallel.placement)
+    hybrid_engine: bool = True  # true: every rank trains and generates (co-located); false: engine ranks beside
 
 
 # --------------------------------------------------------------------------------------------------------- critic
@@ -327,6 +348,13 @@ class TrainerConfig:
     rollout_data_dir: Optional[str] = None  # write each step's generations to <dir>/<step>.jsonl; null: off
 
 
+# ------------------------------------------------------------------------------------------------ async training
+@dataclass
+class AsyncTrainingConfig:
+    # 0: synchronous; 1: one-step off-policy, the engines generate step s+1 while step s trains (hybrid_engine=false)
+    max_off_policy_steps: int = 0
+
+
 @dataclass
 class MppoConfig:
     data: DataConfig = field(default_factory=DataConfig)
@@ -335,12 +363,14 @@ class MppoConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)  # off-policy pipeline
 
 
 # ------------------------------------------------------------------------------------------------- inheritance
 ACTOR = "actor_rollout_ref.actor"
 MEGATRON_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "virtual_pipeline_model_parallel_size", "expert_model_parallel_size", "sequence_parallel",
+                 "context_parallel_size",
                  "use_distributed_optimizer", "recompute", "seed", "param_offload", "optimizer_offload",
                  "override_transformer_config.moe_aux_loss_coeff", "override_transformer_config.moe_z_loss_coeff",
                  "overlap_grad_reduce", "overlap_param_gather", "expert_tensor_parallel_size")

@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from mppo.config.keys import get_key, schema_leaves, show
+from mppo.config.lora import check_lora
 from mppo.config.resolve import resolve
 from mppo.config.schema import ACTOR, ConfigError, MppoConfig
+from mppo.config.validate_async import check_async, is_separate
 
 ROLLOUT = "actor_rollout_ref.rollout"
 REF = "actor_rollout_ref.ref"
@@ -134,6 +136,9 @@ def _check_ranges(cfg: MppoConfig) -> None:
 
 # ---------------------------------------------------------------------------------------------------------- layout
 def _world(cfg: MppoConfig, world_size: int | None) -> tuple[int, str]:
+    separate = check_async(cfg, world_size)  # hybrid_engine=false: the trainer's share of the launch
+    if separate is not None:
+        return separate
     t = cfg.trainer
     planned = t.nnodes * t.n_gpus_per_node
     if world_size is None:
@@ -346,12 +351,15 @@ def _check_rollout_layout(cfg: MppoConfig) -> None:
     """Rollout groups are `rollout.tensor_model_parallel_size` consecutive ranks of one node (mppo.rollout.factory);
     the world is nnodes x n_gpus_per_node (checked by _world), so groups that divide a node divide the world."""
     rollout, n_per_node = cfg.actor_rollout_ref.rollout, cfg.trainer.n_gpus_per_node
+    per_node_key = "trainer.n_gpus_per_node"
+    if is_separate(cfg):  # engines live on the engine ranks of a node
+        n_per_node, per_node_key = rollout.n_gpus_per_node, f"{ROLLOUT}.n_gpus_per_node"
     tp, key = rollout.tensor_model_parallel_size, f"{ROLLOUT}.tensor_model_parallel_size"
     if rollout.name == "cpu" and tp != 1:
         raise _fail(key, tp, "the CPU engine has no tensor parallelism (every rank runs one engine and generates "
                     "its share of the prompts)", "set it to 1")
     if n_per_node % tp:
-        raise _fail(key, tp, f"an engine must live within one node of {n_per_node} ranks (trainer.n_gpus_per_node)",
+        raise _fail(key, tp, f"an engine must live within one node of {n_per_node} ranks ({per_node_key})",
                     f"use a divisor of {n_per_node}")
 
 
@@ -537,6 +545,7 @@ def validate(cfg: MppoConfig, world_size: int | None = None) -> None:
     cfg = resolve(cfg)
     _check_choices(cfg)
     _check_ranges(cfg)
+    check_lora(cfg)
     _check_algorithm(cfg)
     _check_rollout_correction(cfg)
     world, world_text = _world(cfg, world_size)

@@ -18,6 +18,7 @@ from torch import nn
 from mppo.models.atomic import atomic_directory
 from mppo.models.builders import unwrap_model
 from mppo.models.hf_config import HFModelArgs
+from mppo.models.lora import is_adapter_parameter, lora_info
 from mppo.models.pickle_vetting import vet_checkpoint_dir
 from mppo.models.weights import write_hf_metadata
 
@@ -31,9 +32,28 @@ def model_sharded_state_dict(model_chunks: Sequence[nn.Module]) -> dict:
 
     Tensors are keyed by global layer inside, so a checkpoint written with or without vpp loads either way.
     """
+    def state(chunk: nn.Module) -> dict:
+        full = unwrap_model(chunk).sharded_state_dict()
+        if lora_info(model_chunks) is None:
+            return full
+        # LoRA: the adapters only; the frozen base comes from its HF directory (lora.json names it)
+        return {k: v for k, v in full.items() if is_adapter_parameter(k)}
+
     if len(model_chunks) == 1:
-        return {"model": unwrap_model(model_chunks[0]).sharded_state_dict()}
-    return {f"model{i}": unwrap_model(chunk).sharded_state_dict() for i, chunk in enumerate(model_chunks)}
+        return {"model": state(model_chunks[0])}
+    return {f"model{i}": state(chunk) for i, chunk in enumerate(model_chunks)}
+
+
+def load_chunk_state(chunk: nn.Module, state: dict) -> None:
+    """load_state_dict(strict) of one chunk; of a LoRA chunk, its adapters only (the base stays as loaded)."""
+    model = unwrap_model(chunk)
+    if getattr(model, "lora_info", None) is None:
+        model.load_state_dict(state, strict=True)
+        return
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    adapters_missing = [k for k in missing if is_adapter_parameter(k)]
+    if adapters_missing or unexpected:
+        raise KeyError(f"LoRA checkpoint: missing adapters {adapters_missing[:3]}, unexpected keys {unexpected[:3]}")
 
 
 def _is_writer() -> bool:
@@ -82,4 +102,4 @@ def load_model_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str | Pat
     state = dist_checkpointing.load(model_sharded_state_dict(model_chunks), str(model_dir))
     keys = ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
     for chunk, key in zip(model_chunks, keys):
-        unwrap_model(chunk).load_state_dict(state[key], strict=True)
+        load_chunk_state(chunk, state[key])

@@ -31,6 +31,7 @@ from torch import nn
 from mppo.models import weight_transport
 from mppo.models.builders import unwrap_model
 from mppo.models.hf_config import HFModelArgs
+from mppo.models.lora import export_parameters
 from mppo.parallel import collective_device
 from mppo.models.weight_rules import (
     WeightRule,
@@ -189,7 +190,7 @@ def iter_hf_weights(model_chunks: Sequence[nn.Module], args: HFModelArgs, *, dty
     mine = []
     for chunk in model_chunks:
         model = unwrap_model(chunk)
-        for name, param in model.named_parameters():
+        for name, param in export_parameters(model):  # LoRA: adapters merged into their base weights
             rule = weight_rule(model, name)
             if rule is None:
                 continue

@@ -1,8 +1,9 @@
 """Knobs to turn when a plan does not fit: each candidate override is planned on its own and kept if it helps.
 
 Candidates, in the order a user would try them: the distributed optimizer, more recomputation, smaller
-micro-batches, the fused log-prob kernel, offloading the reference, twice the TP, twice the PP, and (for the
-rollout phase) a larger engine share. Each is checked with the config validator too, so a knob that breaks
+micro-batches, the fused log-prob kernel, offloading the reference, twice the TP, twice the PP, (for the
+training phase) the smallest context parallelism at which it fits, and (for the rollout phase) a larger engine
+share. Each is checked with the config validator too, so a knob that breaks
 batch-size arithmetic says which other key must change.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _candidates(cfg: MppoConfig, a: HFModelArgs, p: Plan, world: int) -> list[tu
     trained = [r.layout for r in p.roles if r.layout.trains]
     lays = [r.layout for r in p.roles]
     out: list[tuple[dict[str, Any], str]] = []
-    if any(not lay.distributed_optimizer and lay.dp > 1 for lay in trained):
+    if any(not lay.distributed_optimizer and lay.replicas > 1 for lay in trained):
         out.append(({f"{MEGATRON[lay.role]}.use_distributed_optimizer": True for lay in trained},
                     "shard the Adam states over the DP ranks"))
     nxt = {"none": "selective", "selective": "full"}
@@ -58,11 +59,12 @@ def _candidates(cfg: MppoConfig, a: HFModelArgs, p: Plan, world: int) -> list[tu
         out.append(({f"{ACTOR}.logprob_impl": "fused"}, "log-probs without materialising [tokens x vocab] logits"))
     if any(lay.role == "ref" and not lay.offloaded for lay in lays):
         out.append(({f"{REF}.offload_to_cpu": True}, "keep the reference weights in host memory between uses"))
-    tp, pp, vpp = lays[0].tp, lays[0].pp, lays[0].vpp or 1
-    if (2 * tp <= cfg.trainer.n_gpus_per_node and world % (2 * tp * pp) == 0 and a.num_query_groups % (2 * tp) == 0):
+    tp, pp, vpp, cp = lays[0].tp, lays[0].pp, lays[0].vpp or 1, lays[0].cp
+    if (2 * tp <= cfg.trainer.n_gpus_per_node and world % (2 * tp * pp * cp) == 0
+            and a.num_query_groups % (2 * tp) == 0):
         out.append(({f"{MEGATRON[lay.role]}.tensor_model_parallel_size": 2 * tp for lay in lays},
                     "split every layer over twice as many GPUs"))
-    if world % (tp * 2 * pp) == 0 and a.num_layers % (2 * pp * vpp) == 0:
+    if world % (tp * 2 * pp * cp) == 0 and a.num_layers % (2 * pp * vpp) == 0:
         out.append(({f"{MEGATRON[lay.role]}.pipeline_model_parallel_size": 2 * pp for lay in lays},
                     "split the layers over twice as many pipeline stages"))
     r = p.rollout
@@ -79,13 +81,49 @@ def _candidates(cfg: MppoConfig, a: HFModelArgs, p: Plan, world: int) -> list[tu
     return out
 
 
+def _trial(cfg: MppoConfig, overrides: dict[str, Any]) -> MppoConfig:
+    trial = copy.deepcopy(cfg)
+    for key, value in overrides.items():
+        _set(trial, key, value)
+    return trial
+
+
+def _context_parallel(cfg: MppoConfig, a: HFModelArgs, p: Plan, **plan_kwargs: Any
+                      ) -> tuple[dict[str, Any], str] | None:
+    """The smallest CP (the configured one x 2, 4, ...) at which the training phase fits: each sequence split
+    over that many ranks, taken from DP. CP must leave DP whole and split the sequence into 2·CP equal chunks;
+    when none fits, the largest such CP (it lowers the activations most)."""
+    lays = [r.layout for r in p.roles]
+    tp, pp, cp = lays[0].tp, lays[0].pp, lays[0].cp
+    best = None
+    factor = 2
+    while p.world % (tp * pp * cp * factor) == 0:
+        new = cp * factor
+        factor *= 2
+        if p.sequence_len % (2 * new):
+            continue
+        overrides = {f"{MEGATRON[lay.role]}.context_parallel_size": new for lay in lays}
+        try:
+            tried = plan(_trial(cfg, overrides), a, suggest=False, model_name=p.model, **plan_kwargs)
+        except PlanError:
+            continue
+        layout = next(r.layout for r in tried.roles)
+        best = (overrides, f"split each {p.sequence_len}-token sequence over {new} ranks: "
+                           f"TP{layout.tp} PP{layout.pp} CP{new} DP{layout.dp}")
+        if tried.fits_training:
+            break
+    return best
+
+
 def suggestions(cfg: MppoConfig, a: HFModelArgs, p: Plan, **plan_kwargs: Any) -> list[Suggestion]:
     """Each knob tried on its own: the resulting peak, KV cache and whether the config then fits."""
     out = []
-    for overrides, why in _candidates(cfg, a, p, p.world):
-        trial = copy.deepcopy(cfg)
-        for key, value in overrides.items():
-            _set(trial, key, value)
+    candidates = _candidates(cfg, a, p, p.world)
+    if not p.fits_training:  # the sequence's activations: context parallelism
+        found = _context_parallel(cfg, a, p, **plan_kwargs)
+        candidates += [found] if found else []
+    for overrides, why in candidates:
+        trial = _trial(cfg, overrides)
         try:
             tried = plan(trial, a, suggest=False, model_name=p.model, **plan_kwargs)
         except PlanError:

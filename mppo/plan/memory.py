@@ -17,6 +17,12 @@ Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Larg
   TP + SP  none  s·b·h·(34/t + 5·a·s/(h·t))       selective  s·b·h·34/t         full  2·s·b·h/t
 (sequence parallelism splits what TP alone replicates: the norms' inputs and those of the QKV projection and fc1;
 megatron's SP linears keep their input's sequence slice and all-gather it again in the backward)
+Context parallelism (CP, megatron.context_parallel_size) splits each sequence into 2·CP chunks, two per rank
+(load-balanced causal split), so every term above is kept for s/CP tokens per rank: the layer's activations are
+its CP1 bytes / CP (the attention scores too: s/CP queries against s keys). Attention needs every earlier key, so
+a rank all-gathers the K and V of the whole sequence for the layer it computes, one layer at a time: the gathered
+K/V are not kept for the backward (they are gathered again there, where the full-length dK/dV buffers exist too
+before their reduce-scatter), so they are a transient of one layer, not a stored activation.
 (bytes, 16-bit activations), itemised so that it holds for this architecture: the paper's GeLU MLP (4h in, 4h out)
 becomes SwiGLU (2F fc1 output + F fc2 input), its K/V become GQA's g heads, dropout masks are dropped (mppo's
 models use dropout 0), and the s² attention-score term exists only with unfused (local) attention: Transformer
@@ -62,6 +68,13 @@ class RoleLayout:
     offloaded: bool  # weights live in host memory between uses (ref.offload_to_cpu)
     sp: bool = False  # sequence parallelism (megatron.sequence_parallel): the TP-replicated activations split too
     ep: int = 1  # expert parallel size (MoE): each rank holds num_experts / ep experts of every MoE layer
+    cp: int = 1  # context parallel size: each rank holds 1/cp of every sequence (dp counts the CP ranks out)
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters: megatron's data-parallel group with context parallelism (grads are
+        reduced and the distributed optimizer shards over it)."""
+        return self.dp * self.cp
 
 
 @dataclass(frozen=True)
@@ -191,17 +204,17 @@ def model_state(a: HFModelArgs, lay: RoleLayout, prec: Precision, stage: int) ->
     per_param = prec.master_bytes + ADAM_MOMENTS * FP32
     opt = params * per_param
     experts = stage_expert_params(a, lay, stage)
-    sharded = (math.ceil((params - experts) * per_param / lay.dp)
-               + math.ceil(experts * per_param / (lay.dp // lay.ep))) if lay.distributed_optimizer else opt
+    sharded = (math.ceil((params - experts) * per_param / lay.replicas)
+               + math.ceil(experts * per_param / (lay.replicas // lay.ep))) if lay.distributed_optimizer else opt
     return ModelState(params, weights, 0, params * prec.grad_bytes, sharded, opt)
 
 
 # --------------------------------------------------------------------------------------------------- activations
 def layer_activation_bytes(a: HFModelArgs, tp: int, seq: int, batch: float, prec: Precision,
-                           recompute: str, *, moe: bool = False, sp: bool = False) -> float:
-    """Bytes one layer (`moe`: a MoE layer; `sp`: under sequence parallelism) keeps for the backward of one
-    micro-batch [batch x seq] (see the module docstring)."""
-    sb, e, h = seq * batch, prec.act_bytes, a.hidden_size
+                           recompute: str, *, moe: bool = False, sp: bool = False, cp: int = 1) -> float:
+    """Bytes one layer (`moe`: a MoE layer; `sp`: under sequence parallelism; `cp`: on one of `cp` context-parallel
+    ranks) keeps for the backward of one micro-batch [batch x seq] (see the module docstring)."""
+    sb, e, h = seq * batch / cp, prec.act_bytes, a.hidden_size  # the tokens of this rank's sequence chunks
     split = tp if sp else 1  # what TP alone replicates, SP splits along the sequence
     if recompute == "full":
         return sb * h * e / split  # only the layer input; the rest is recomputed
@@ -220,8 +233,18 @@ def layer_activation_bytes(a: HFModelArgs, tp: int, seq: int, batch: float, prec
     if prec.flash_attention:
         scores = sb * a.num_attention_heads * FP32 / tp  # log-sum-exp per head and token
     else:
-        scores = batch * a.num_attention_heads * seq * seq * e / tp  # softmax output
+        scores = batch * a.num_attention_heads * (seq / cp) * seq * e / tp  # softmax output: local queries x keys
     return replicated + sharded + (0 if recompute == "selective" else scores)  # selective: core attention redone
+
+
+def cp_kv_gather_bytes(a: HFModelArgs, tp: int, seq: int, batch: float, prec: Precision, cp: int,
+                       backward: bool) -> float:
+    """The whole sequence's K and V of one layer on one TP rank, all-gathered over the CP ranks for its attention
+    (0 without CP); the backward also holds their full-length gradients until the reduce-scatter."""
+    if cp == 1:
+        return 0.0
+    kv = 2 * seq * batch * a.num_query_groups * a.head_dim * prec.act_bytes / tp
+    return kv * (2 if backward else 1)
 
 
 def layers_in_flight(a: HFModelArgs, lay: RoleLayout, stage: int) -> float:
@@ -241,24 +264,30 @@ def training_activations(a: HFModelArgs, lay: RoleLayout, prec: Precision, seq: 
     layers = stage_layers(a, lay, stage)
     # a layer's mean over the stage's layers (dense and MoE layers differ)
     stored = sum(layer_activation_bytes(a, lay.tp, seq, lay.micro_batch, prec, lay.recompute,
-                                        moe=i in a.moe_layers, sp=lay.sp) for i in layers) / len(layers)
+                                        moe=i in a.moe_layers, sp=lay.sp, cp=lay.cp) for i in layers) / len(layers)
     per_micro = stored * a.num_layers / lay.pp
     peak = stored * layers_in_flight(a, lay, stage)
     if lay.recompute == "full":  # the backward recomputes one layer with everything kept
         peak += max(layer_activation_bytes(a, lay.tp, seq, lay.micro_batch, prec, "none", moe=i in a.moe_layers,
-                                           sp=lay.sp) for i in layers)
+                                           sp=lay.sp, cp=lay.cp) for i in layers)
+    # one layer's attention backward at a time: the gathered K/V and their gradients (CP only)
+    peak += cp_kv_gather_bytes(a, lay.tp, seq, lay.micro_batch, prec, lay.cp, backward=True)
     return per_micro, peak
 
 
-def forward_only_bytes(a: HFModelArgs, tp: int, seq: int, batch: float, prec: Precision, sp: bool = False) -> float:
-    """Transient working set of a no-grad forward: about one layer's intermediate tensors (the larger kind)."""
-    return max(layer_activation_bytes(a, tp, seq, batch, prec, "none", moe=moe, sp=sp)
-               for moe in {i in a.moe_layers for i in range(a.num_layers)})
+def forward_only_bytes(a: HFModelArgs, tp: int, seq: int, batch: float, prec: Precision, sp: bool = False,
+                       cp: int = 1) -> float:
+    """Transient working set of a no-grad forward: about one layer's intermediate tensors (the larger kind), and
+    under CP that layer's all-gathered K/V."""
+    return (max(layer_activation_bytes(a, tp, seq, batch, prec, "none", moe=moe, sp=sp, cp=cp)
+                for moe in {i in a.moe_layers for i in range(a.num_layers)})
+            + cp_kv_gather_bytes(a, tp, seq, batch, prec, cp, backward=False))
 
 
 # -------------------------------------------------------------------------------------------- log-prob working set
 def logprob_bytes(a: HFModelArgs, tp: int, tokens: float, prec: Precision, fused: bool) -> float:
-    """Memory of turning [tokens, hidden] into log-probs + entropy on one TP rank.
+    """Memory of turning [tokens, hidden] into log-probs + entropy on one TP rank (`tokens`: this rank's; under CP
+    a rank scores only its own chunks of each sequence).
 
     naive: the output layer's logits [tokens x V/TP] plus NAIVE_FP32_COPIES fp32 tensors of that size.
     fused: at most FUSED_CHUNK_BUFFERS fp32 chunks of CHUNK_ELEMENTS logits, plus per-token statistics.

@@ -24,8 +24,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mppo.config import MppoConfig, get_key, resolve
+from mppo.config import MegatronConfig, MppoConfig, get_key, resolve
 from mppo.config.decisions import old_log_prob_pass, uses_critic, uses_reference, uses_sequence_parallel
+from mppo.config.lora import lora_enabled
 from mppo.models.hf_config import HFModelArgs
 from mppo.plan import memory as mem
 from mppo.plan.catalog import DEVICES, DeviceSpec, GiB
@@ -48,12 +49,13 @@ class RolePlan:
     activations_per_micro_batch: float  # one training micro-batch on this stage (0 for the reference)
     activations_peak: float  # at the schedule's peak (micro-batches in flight; + one recomputed layer)
     forward_working_set: float  # its no-grad forward pass (log-probs or values)
+    cp_kv_gather: float = 0.0  # in activations_peak: one layer's all-gathered K/V and their grads (CP only)
 
 
 @dataclass(frozen=True)
 class LogProbPlan:
     impl: str  # configured: fused | naive
-    tokens: float  # tokens of the largest actor/ref micro-batch
+    tokens: float  # tokens of the largest actor/ref micro-batch on one rank (1/CP of its sequences)
     fused_bytes: float
     naive_bytes: float
 
@@ -178,33 +180,43 @@ def _layouts(cfg: MppoConfig, world: int, seq: int) -> list[mem.RoleLayout]:
     dynamic = arr.actor.use_dynamic_bsz
     roles = [("actor", arr.actor, True)]
     roles += [("critic", cfg.critic, True)] if uses_critic(cfg) else []
-    roles += [("ref", arr.ref, False)] if uses_reference(cfg) else []
+    # LoRA: the reference is the actor's own frozen base (its adapters off), no model of its own
+    roles += [("ref", arr.ref, False)] if uses_reference(cfg) and not lora_enabled(cfg) else []
     out = []
     for role, section, trains in roles:
         m = section.megatron
-        tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+        tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, _context_parallel_size(m)
         if world % (tp * pp):
             raise mem.PlanError(f"{MEGATRON[role]}: TP x PP = {tp * pp} does not divide the {world} GPUs")
-        dp, ep = world // (tp * pp), m.expert_model_parallel_size
+        if cp < 1 or world % (tp * pp * cp):
+            raise mem.PlanError(f"{MEGATRON[role]}.context_parallel_size = {cp}: TP x PP x CP = {tp} x {pp} x {cp} "
+                                f"does not divide the {world} GPUs; choose a context_parallel_size that divides "
+                                f"{world // (tp * pp)}")
+        dp, ep = world // (tp * pp * cp), m.expert_model_parallel_size
         if dp % ep:
             raise mem.PlanError(f"{MEGATRON[role]}: EP = {ep} does not divide DP = {dp}; choose an "
                                 "expert_model_parallel_size that divides the data-parallel size")
-        if trains:
-            budget = section.ppo_max_token_len_per_gpu / seq
+        if trains:  # a token budget is per GPU: under CP a micro-batch holds CP x the budget, 1/CP on each rank
+            budget = section.ppo_max_token_len_per_gpu * cp / seq
             micro = budget if section.use_dynamic_bsz else section.ppo_micro_batch_size_per_gpu
             fwd = arr.rollout.log_prob_micro_batch_size_per_gpu if role == "actor" else micro
             per_rank = section.ppo_mini_batch_size * n / dp
         else:
             micro, fwd, per_rank = 0, section.log_prob_micro_batch_size_per_gpu, samples * n / dp
         if dynamic and role != "critic":
-            fwd = arr.actor.ppo_max_token_len_per_gpu / seq
+            fwd = arr.actor.ppo_max_token_len_per_gpu * cp / seq
         out.append(mem.RoleLayout(
             role=role, tp=tp, pp=pp, vpp=m.virtual_pipeline_model_parallel_size, dp=dp,
             distributed_optimizer=bool(m.use_distributed_optimizer), recompute=m.recompute, micro_batch=micro,
             forward_micro_batch=fwd, micro_batches_per_step=max(1, int(per_rank // max(micro or fwd, 1))),
             trains=trains, offloaded=role == "ref" and arr.ref.offload_to_cpu, ep=ep,
-            sp=uses_sequence_parallel(m) and tp > 1))
+            sp=uses_sequence_parallel(m) and tp > 1, cp=cp))
     return out
+
+
+def _context_parallel_size(m: MegatronConfig) -> int:
+    """CP of a role's layout (resolved: the critic's and reference's null is the actor's)."""
+    return m.context_parallel_size
 
 
 def _role_plan(a: HFModelArgs, lay: mem.RoleLayout, prec: mem.Precision, seq: int, stage: int,
@@ -216,13 +228,15 @@ def _role_plan(a: HFModelArgs, lay: mem.RoleLayout, prec: mem.Precision, seq: in
     per_micro = peak = 0.0
     if lay.trains:
         per_micro, peak = mem.training_activations(a, lay, prec, seq, stage)
-        logits = mem.logprob_bytes(a, lay.tp, lay.micro_batch * seq, prec, fused) if lay.role == "actor" else 0
+        logits = (mem.logprob_bytes(a, lay.tp, lay.micro_batch * seq / lay.cp, prec, fused) if lay.role == "actor"
+                  else 0)
         phases[f"update_{lay.role}"] = peak + (logits if last else 0)
-    fwd = mem.forward_only_bytes(a, lay.tp, seq, lay.forward_micro_batch, prec, sp=lay.sp)
+    fwd = mem.forward_only_bytes(a, lay.tp, seq, lay.forward_micro_batch, prec, sp=lay.sp, cp=lay.cp)
     if last and lay.role != "critic":
-        fwd += mem.logprob_bytes(a, lay.tp, lay.forward_micro_batch * seq, prec, fused)
+        fwd += mem.logprob_bytes(a, lay.tp, lay.forward_micro_batch * seq / lay.cp, prec, fused)
     phases[FORWARD_PHASE[lay.role]] = fwd + state.host_weights  # an offloaded ref is swapped in to run
-    return RolePlan(lay, stage, state, per_micro, peak, fwd), phases
+    gather = mem.cp_kv_gather_bytes(a, lay.tp, seq, lay.micro_batch, prec, lay.cp, backward=True) if lay.trains else 0
+    return RolePlan(lay, stage, state, per_micro, peak, fwd, gather), phases
 
 
 def _stage_peak(roles: list[RolePlan], phases: dict[str, float]) -> float:
@@ -290,7 +304,8 @@ def plan(cfg: MppoConfig, hf_args: HFModelArgs, device_memory_bytes: int | None 
     engine_resident = mem.engine_weight_bytes(hf_args, arr.rollout.tensor_model_parallel_size, 4) if cpu_engine else 0
 
     actor = layouts[0]
-    lp_tokens = max(actor.micro_batch, *(lay.forward_micro_batch for lay in layouts if lay.role != "critic")) * seq
+    lp_tokens = (max(actor.micro_batch, *(lay.forward_micro_batch for lay in layouts if lay.role != "critic"))
+                 * seq / actor.cp)  # on one rank
     logprob = LogProbPlan(arr.actor.logprob_impl, lp_tokens,
                           fused_bytes=mem.logprob_bytes(hf_args, actor.tp, lp_tokens, prec, True),
                           naive_bytes=mem.logprob_bytes(hf_args, actor.tp, lp_tokens, prec, False))
@@ -317,7 +332,7 @@ def _moe(cfg: MppoConfig, a: HFModelArgs, layouts: list[mem.RoleLayout], roles: 
     if not a.is_moe:
         return None
     actor = layouts[0]
-    tokens = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n * seq / actor.dp
+    tokens = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n * seq / actor.replicas  # on one rank
     passes = 2 * cfg.actor_rollout_ref.actor.ppo_epochs + int(old_log_prob_pass(cfg)) + int(uses_reference(cfg))
     stage = next(r.stage for r in roles if r.layout.role == "actor")
     return MoEPlan(actor.ep, a.num_experts // actor.ep, mem.stage_expert_params(a, actor, stage),

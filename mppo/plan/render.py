@@ -10,7 +10,8 @@ from mppo.plan.planner import Plan, RolePlan
 MiB = 1 << 20
 PHASE_TEXT = {"update_actor": "actor update", "update_critic": "critic update", "old_log_prob": "old log-probs",
               "ref": "reference log-probs", "values": "critic values"}
-SOURCES = ("Korthikanti et al. 2022 activation formulas (TP, and TP + sequence parallelism), megatron DDP with "
+SOURCES = ("Korthikanti et al. 2022 activation formulas (TP, and TP + sequence parallelism; / CP under context "
+           "parallelism, + the all-gathered K/V of one layer), megatron DDP with "
            "fp32 main grads, Adam with fp32 master weights, SGLang KV sizing by mem_fraction_static")
 
 
@@ -33,8 +34,8 @@ def seconds(s: float) -> str:
 
 
 def layout_text(lay: RoleLayout) -> str:
-    text = (f"TP{lay.tp} PP{lay.pp}" + (f" VPP{lay.vpp}" if lay.vpp else "") + f" DP{lay.dp}"
-            + (f" EP{lay.ep}" if lay.ep > 1 else ""))
+    text = (f"TP{lay.tp} PP{lay.pp}" + (f" VPP{lay.vpp}" if lay.vpp else "") + (f" CP{lay.cp}" if lay.cp > 1 else "")
+            + f" DP{lay.dp}" + (f" EP{lay.ep}" if lay.ep > 1 else ""))
     return text + (" (offloaded)" if lay.offloaded else "")
 
 
@@ -44,8 +45,9 @@ def _state_rows(r: RolePlan, dtype: str) -> list[tuple[str, str, float]]:
     if not lay.trains:
         where = f"offloaded: {size(s.host_weights)} in host memory" if lay.offloaded else "frozen, no grads"
         return [(f"{name} weights", f"{count(s.params)} params x {dtype}; {where}", s.weights)]
-    opt = (f"distributed over DP {lay.dp} (without: {size(s.optimizer_unsharded)})" if lay.distributed_optimizer
-           else f"not distributed (distributed over DP {lay.dp}: {size(s.optimizer_unsharded / lay.dp)})")
+    over = f"DP {lay.dp}" if lay.cp == 1 else f"DP x CP {lay.replicas}"  # megatron's data-parallel group with CP
+    opt = (f"distributed over {over} (without: {size(s.optimizer_unsharded)})" if lay.distributed_optimizer
+           else f"not distributed (distributed over {over}: {size(s.optimizer_unsharded / lay.replicas)})")
     return [(f"{name} weights", f"{count(s.params)} params x {dtype}", s.weights),
             (f"{name} gradients", "fp32 main grads (megatron DDP buffer)", s.grads),
             (f"{name} optimizer", f"fp32 Adam m, v{'' if dtype == 'fp32' else ' + master'}; {opt}", s.optimizer)]
@@ -83,9 +85,10 @@ def render_text(p: Plan) -> str:
     for r in p.roles:
         if r.layout.trains:
             lay = r.layout
-            add(f"  {r.layout.role} activations: micro-batch {lay.micro_batch:g} x {p.sequence_len} tokens, recompute "
-                f"{lay.recompute}: {size(r.activations_per_micro_batch)} per micro-batch, {size(r.activations_peak)} "
-                f"at the schedule's peak")
+            split = f" ({p.sequence_len // lay.cp} per CP rank)" if lay.cp > 1 else ""
+            add(f"  {r.layout.role} activations: micro-batch {lay.micro_batch:g} x {p.sequence_len} tokens{split}, "
+                f"recompute {lay.recompute}: {size(r.activations_per_micro_batch)} per micro-batch, "
+                f"{size(r.activations_peak)} at the schedule's peak" + _kv_gather_note(r, p.sequence_len))
     for phase, value in p.training_phases.items():
         add(f"  {PHASE_TEXT[phase]:<20} {size(value):>10}")
     lp = p.logprob
@@ -111,6 +114,12 @@ def render_text(p: Plan) -> str:
     add("")
     add(f"based on: {SOURCES}")
     return "\n".join(lines) + "\n"
+
+
+def _kv_gather_note(r: RolePlan, seq: int) -> str:
+    if r.layout.cp == 1:
+        return ""
+    return f" (with one layer's all-gathered K/V of the {seq} tokens and their grads: {size(r.cp_kv_gather)})"
 
 
 def _host_rows(p: Plan) -> list[tuple[str, str, float]]:

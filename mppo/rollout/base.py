@@ -102,6 +102,8 @@ class RolloutResponse:
     # tool turns' tokens (attended, not trained on); and the tool calls the conversation made
     loss_mask: list[int] | None = None
     num_tool_calls: int | None = None
+    # the policy version (trainer steps done) of the weights that generated it; set by the Rollout that returns it
+    policy_version: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.log_probs):

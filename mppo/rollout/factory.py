@@ -39,6 +39,7 @@ same on both devices; tests/test_trainer_sglang.py records them around a real ru
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -111,13 +112,16 @@ def rollout_layout(engine_tp: int, *, rank: int, world: int, local_rank: int, lo
                          base_gpu_id=local_rank - (rank - groups[index][0]))
 
 
-def launch_layout(engine_tp: int) -> RolloutLayout:
-    """The layout of this launch (torch.distributed initialised, or a lone process)."""
+def launch_layout(engine_tp: int, *, local_world: int | None = None) -> RolloutLayout:
+    """The layout of this launch (torch.distributed initialised, or a lone process). `local_world`: the ranks per
+    node of the default group's world (None: torchrun's LOCAL_WORLD_SIZE; the engine ranks of a separate placement
+    pass theirs, mppo.parallel.placement)."""
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
         rank, world = 0, 1
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if local_world is None:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return rollout_layout(engine_tp, rank=rank, world=world, local_rank=int(os.environ.get("LOCAL_RANK", rank)),
                           local_world=local_world)
 
@@ -268,15 +272,18 @@ class Rollout:
         self._object_group = object_group  # gloo group of every rank, for gathering responses (None: world of 1)
         self._group_comm = group_comm  # gloo group of this rollout group's ranks (None: a group of one)
         self._offloaded: TrainerState | None = None
+        self.version = 0  # the policy version of the weights last synced
 
     def sync_weights(self, model_chunks: Sequence[nn.Module], hf_args: HFModelArgs, *, bucket_bytes: int,
-                     trainer_state: TrainerState | None = None) -> SyncStats:
+                     trainer_state: TrainerState | None = None, version: int = 0) -> SyncStats:
         """Steps 1-4: the actor's weights into every engine, then `trainer_state` offloaded (reloaded by
-        `release`), then the KV cache back. Collective over every rank."""
+        `release`), then the KV cache back. Collective over every rank. `version`: the policy version the weights
+        are (the responses generated on them carry it)."""
         if self._offloaded is not None:
             raise RuntimeError("sync_weights() twice without release(): the trainer state is still offloaded")
         stats = push_actor_weights(self.engine, model_chunks, hf_args, bucket_bytes,
                                    destinations=self.layout.destinations)
+        self.version = version
         if trainer_state is not None:
             trainer_state.offload()
             self._offloaded = trainer_state
@@ -298,7 +305,8 @@ class Rollout:
             else:
                 mine = agent.generate(self.engine, own, sampling, step=step, prompt_offsets=offsets,
                                       run_tools=self._group_tools(agent))
-        return self._gather(mine if self.layout.is_driver else [])
+        responses = self._gather(mine if self.layout.is_driver else [])
+        return [dataclasses.replace(r, policy_version=self.version) for r in responses]
 
     def _group_tools(self, agent: AgentLoop) -> ToolRunner:
         """The agent's tools run on the group's first rank, their messages shared with the group's other ranks:
@@ -332,11 +340,11 @@ class Rollout:
         if self._object_group is None:
             return mine
         parts: list[Any] = [None] * dist.get_world_size(self._object_group)
-        dist.all_gather_object(parts, _pack(mine), group=self._object_group)
-        return [resp for part in parts for resp in _unpack(part)]
+        dist.all_gather_object(parts, pack_responses(mine), group=self._object_group)
+        return [resp for part in parts for resp in unpack_responses(part)]
 
 
-def _pack(responses: list[RolloutResponse]) -> dict[str, torch.Tensor]:
+def pack_responses(responses: list[RolloutResponse]) -> dict[str, torch.Tensor]:
     """Responses as a few flat tensors (they pickle as raw bytes, unlike lists of Python numbers), with what they
     carry beyond tokens and log-probs: routed experts, multi-turn loss masks and tool-call counts."""
     lengths = [len(r.token_ids) for r in responses]
@@ -356,7 +364,7 @@ def _pack(responses: list[RolloutResponse]) -> dict[str, torch.Tensor]:
     return packed
 
 
-def _unpack(packed: dict[str, torch.Tensor]) -> list[RolloutResponse]:
+def unpack_responses(packed: dict[str, torch.Tensor]) -> list[RolloutResponse]:
     lengths = packed["lengths"].tolist()
     tokens, log_probs = packed["tokens"].split(lengths), packed["log_probs"].split(lengths)
     none = [None] * len(lengths)
@@ -370,16 +378,18 @@ def _unpack(packed: dict[str, torch.Tensor]) -> list[RolloutResponse]:
                                                          loss_masks, tool_calls)]
 
 
-def build_rollout(cfg: MppoConfig, *, device: torch.device, dtype: torch.dtype, log_dir: Path) -> Rollout:
+def build_rollout(cfg: MppoConfig, *, device: torch.device, dtype: torch.dtype, log_dir: Path,
+                  layout: RolloutLayout | None = None) -> Rollout:
     """Every rank's Rollout for `cfg` (collective: every rank calls it, after torch.distributed is initialised).
-    Engines start here; they are released at once (their memory is the trainer's until the first sync)."""
+    Engines start here; they are released at once (their memory is the trainer's until the first sync).
+    `layout`: the rollout groups (None: launch_layout's of the whole launch)."""
     rollout_cfg = cfg.actor_rollout_ref.rollout
     name = rollout_cfg.name
     if name not in ENGINE_BUILDERS:
         raise ConfigError(f"actor_rollout_ref.rollout.name = {name!r} is not an engine; choose one of "
                           f"{', '.join(sorted(ENGINE_BUILDERS))}")
     check_rollout_setup(cfg)
-    layout = launch_layout(rollout_cfg.tensor_model_parallel_size)
+    layout = layout or launch_layout(rollout_cfg.tensor_model_parallel_size)
     tp_group = object_group = None
     if dist.is_initialized() and dist.get_world_size() > 1:
         # gloo groups for Python objects (payload handles, responses): cheap on every backend. Every rank creates

@@ -5,7 +5,8 @@ A tool is a Python function of the trainer, so it runs in a fork: the *tool proc
 namespace (when it dies, the kernel kills every process in the namespace, whatever session or group they moved
 to), in the trainer's one empty network namespace (made once and held by an fd: a new one per call costs ~15 ms,
 entering it a few µs), leader of its own session, with RLIMIT_AS / NPROC / FSIZE / CPU / CORE, no new
-privileges, PR_SET_PDEATHSIG, no inherited descriptor but its result pipe, a fresh empty working directory and
+privileges, PR_SET_PDEATHSIG, every inherited descriptor but its result pipe made /dev/null, every caught signal
+back to its default, a fresh empty working directory and
 environment and, when the trainer is root, an otherwise unused uid (the kernel does not enforce RLIMIT_NPROC for
 uid 0). It writes its text, already cut, to the pipe; the trainer reads at most `max_bytes` + 1 bytes of it.
 
@@ -227,19 +228,39 @@ def _close_range(low: int, high: int) -> None:
         os.closerange(low, min(high + 1, os.sysconf("SC_OPEN_MAX")))
 
 
+def _open_descriptors() -> list[int] | None:
+    try:
+        return [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return None
+
+
 def _close_inherited(keep: tuple[int, ...]) -> tuple[int, ...]:
-    """Close every descriptor but `keep` (returned, moved above 2 if needed); 0, 1 and 2 become /dev/null."""
+    """Make every inherited descriptor but `keep` (returned, moved above 2 if needed) /dev/null.
+
+    Not closed: C libraries remember descriptor numbers and act on them in every later fork of this process.
+    libuv (uvloop, which SGLang installs as asyncio's loop) has a fork handler that closes the two numbers of its
+    signal lock pipe and opens a new pipe, and a SIGCHLD handler that reads and writes them. Closed here, those
+    numbers would be reused by the tool's own pipes, which the handler then closes or reads from in the tool's
+    children (a tool that forks lost its own pipe: issue 24's "grandchild" flake). So every number up to the
+    highest open one (holes too) names /dev/null, close-on-exec, and the tool's own descriptors come above it."""
     gc.freeze()  # objects inherited from the trainer are never finalized here: a finalizer would close whatever
     # descriptor got their old number next
     kept = tuple(fd if fd > 2 else fcntl.fcntl(fd, fcntl.F_DUPFD, 3) for fd in keep)
-    devnull = os.open(os.devnull, os.O_RDWR)
+    devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
-    low = 3
-    for fd in sorted(set(kept)):
-        _close_range(low, fd - 1)
-        low = fd + 1
-    _close_range(low, 0xFFFFFFFF)
+    open_fds = _open_descriptors()
+    if open_fds is None:  # no /proc: close them (a library's remembered number may then be reused)
+        low = 3
+        for fd in sorted(set(kept)):
+            _close_range(low, fd - 1)
+            low = fd + 1
+        _close_range(low, 0xFFFFFFFF)
+        return kept
+    for fd in range(3, max(open_fds) + 1):
+        if fd not in kept and fd != devnull:
+            os.dup2(devnull, fd, inheritable=False)
     return kept
 
 
@@ -303,6 +324,19 @@ def _become(uid: int, workdir: str) -> None:
     _prctl(_PR_SET_DUMPABLE, 1)  # its own /proc/self again (subprocess lists /proc/self/fd)
 
 
+def _reset_signal_handlers() -> None:
+    """Every caught signal back to its default: not the trainer's handlers, neither Python's (SGLang's SIGQUIT, a
+    shutdown hook) nor C libraries' (libuv's SIGCHLD handler, which Python's signal module does not see). Ignored
+    signals stay ignored (SIGPIPE and SIGXFSZ: Python's choice, so a write past a limit is an OSError)."""
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP) or signal.getsignal(sig) == signal.SIG_IGN:
+            continue
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):  # real-time signals glibc keeps for itself
+            pass
+
+
 def _set_up(plan: _Plan, limits: SandboxLimits, cpu_s: int, workdir: str, result: int, parent: int) -> int:
     """Everything the tool process does before the tool runs; the result pipe's descriptor."""
     os.setsid()
@@ -331,8 +365,7 @@ def _set_up(plan: _Plan, limits: SandboxLimits, cpu_s: int, workdir: str, result
     # the trainer's sys.stdout may be an object over a descriptor closed above (a tee, pytest's capture)
     sys.stdin, sys.stdout, sys.stderr = (open(fd, mode, closefd=False) for fd, mode in ((0, "r"), (1, "w"), (2, "w")))
     faulthandler.disable()  # it would write to the trainer's stderr's old number
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_DFL)  # not the trainer's (SGLang's SIGQUIT handler, a shutdown hook)
+    _reset_signal_handlers()
     return result
 
 

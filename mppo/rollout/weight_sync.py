@@ -32,6 +32,8 @@ class SyncStats:
 
     @property
     def bytes_per_s(self) -> float:
+        if self.bytes == 0:  # nothing moved (the engines held these weights already)
+            return 0.0
         return self.bytes / self.seconds if self.seconds > 0 else float("inf")
 
 

@@ -27,15 +27,17 @@ import torch.distributed as dist
 
 from mppo import core_algos
 from mppo.config import MppoConfig, to_yaml
+from mppo.config.validate_async import engine_world
 from mppo.config.decisions import old_log_prob_micro_batch, old_log_prob_pass, old_log_prob_reuse, old_log_prob_source
 from mppo.data.loader import PromptBatch
 from mppo.errors import UserError
 from mppo.parallel import collective_device
+from mppo.parallel.placement import ENGINE, Side
 from mppo.rewards.manager import reward_function_name
 from mppo.rollout.agent_loop import build_agent_loop
 from mppo.rollout.base import SamplingParams
 from mppo.rollout.factory import Rollout
-from mppo.trainer import components, faults, remax, response_shaping, roles, rollout_correction, validation
+from mppo.trainer import components, faults, offpolicy, remax, response_shaping, roles, rollout_correction, validation
 from mppo.trainer.dynamic_sampling import FILTER_METRIC, DynamicSampler, reward_extra_key
 from mppo.trainer.metrics import (UNREJECTED_MASK, MetricsLogger, StepTimer, compute_data_metrics, perf_metrics,
                                   plot_metrics, tool_call_metrics)
@@ -70,9 +72,10 @@ class PPOTrainer:
     """One run of `cfg`. `rollout`: a Rollout of this launch to use instead of starting engines (tests build several
     trainers one after another on one set of engines, whose start-up is the slow part); it must have been built
     for the same rollout config and model architecture, and its owner shuts it down. None: the trainer builds the
-    launch's Rollout and shuts it down at the end of fit()."""
+    launch's Rollout and shuts it down at the end of fit(). `side`: the trainer ranks' side of a separate placement
+    (hybrid_engine=false, mppo.trainer.offpolicy.start_side): the Rollout is then a RemoteRollout of its engines."""
 
-    def __init__(self, cfg: MppoConfig, rollout: Rollout | None = None) -> None:
+    def __init__(self, cfg: MppoConfig, rollout: Rollout | None = None, side: Side | None = None) -> None:
         from mppo.parallel import init_distributed
 
         self.cfg, mcfg = cfg, cfg.actor_rollout_ref.actor.megatron
@@ -104,7 +107,9 @@ class PPOTrainer:
         kc = cfg.algorithm.kl_ctrl
         self.kl_ctrl = core_algos.get_kl_controller(kc.type, kc.kl_coef, target_kl=kc.target_kl, horizon=kc.horizon)
         self._owns_rollout = rollout is None
-        self.rollout = roles.start_rollout(cfg, rollout, models, self.watchdog, self.run_dir)
+        self.rollout = roles.start_rollout(cfg, rollout, models, self.watchdog, self.run_dir, side=side)
+        self.off_policy = cfg.async_training.max_off_policy_steps > 0  # generate step s+1 while step s trains
+        self.pipeline = offpolicy.PipelineMetrics()
         self.train_sampling = components.train_sampling(cfg, self.data.tokenizer)
         self.val_sampling = components.val_sampling(cfg, self.data.tokenizer)
         # What the estimator declared it needs beyond rewards and mask (validation checked they can be produced).
@@ -145,7 +150,9 @@ class PPOTrainer:
         self.metrics.truncate_after(self.step)
         log.info("resumed from %s (step %d)", info.path, self.step)
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, loader_state: dict | None = None) -> None:
+        """`loader_state`: the data loader's state to resume from (None: its state now; the off-policy pipeline
+        has taken the next step's prompts already, which a resume must hand out again)."""
         from mppo.workers.worker_checkpoint import save_worker_checkpoint
 
         # The tokenizer files and generation_config.json go with each model, so `mppo convert mcore-to-hf` of a
@@ -155,7 +162,7 @@ class PPOTrainer:
         writers = {"actor": lambda d: save_worker_checkpoint(self.actor, d, tokenizer_dir=tokenizer_dir)}
         if self.critic is not None:
             writers["critic"] = lambda d: save_worker_checkpoint(self.critic, d, tokenizer_dir=tokenizer_dir)
-        state = {"step": self.step, "data": self.data.train_loader.state_dict(),
+        state = {"step": self.step, "data": loader_state or self.data.train_loader.state_dict(),
                  "kl_ctrl": self.kl_ctrl.state_dict(), "skipped_steps": self.skipped_steps,
                  "consecutive_skips": self.consecutive_skips,
                  "consecutive_failed_rewards": self.consecutive_failed_rewards}
@@ -165,11 +172,12 @@ class PPOTrainer:
         log.info("checkpoint written: %s", path)
 
     # ------------------------------------------------------------------------------------------------ one step
-    def train_step(self, prompts: PromptBatch,
-                   more_prompts: Callable[[], PromptBatch] | None = None) -> dict[str, float]:
+    def train_step(self, prompts: PromptBatch, more_prompts: Callable[[], PromptBatch] | None = None,
+                   next_prompts: PromptBatch | None = None) -> dict[str, float]:
         """One PPO step on `prompts`; with dynamic sampling (algorithm.filter_groups) `more_prompts` gives the
-        further generation batches (none: the first batch is all there is)."""
-        timer, metrics = StepTimer(), {}
+        further generation batches (none: the first batch is all there is). `next_prompts` (the off-policy
+        pipeline): the next step's, whose generation the engines start once this step's rollout is in."""
+        timer, metrics, step_start = StepTimer(), {}, time.time()
         temperature = self.cfg.actor_rollout_ref.rollout.temperature
         with self.phase(timer, "step"):
             with self.phase(timer, "weight_sync"):
@@ -181,6 +189,11 @@ class PPOTrainer:
                     batch, sampling_metrics = self.dynamic_sampler.collect(batch, more_prompts, step=self.step + 1)
                     metrics.update(sampling_metrics)
                 self.rollout.release()
+            batch_record = getattr(self.rollout, "last_record", None)
+            if next_prompts is not None:  # the engines generate step s+1 on these weights while step s trains
+                self.rollout.prefetch(offpolicy.prompt_ids(next_prompts.input_ids, next_prompts.attention_mask),
+                                      self.train_sampling, step=self.step + 1)
+            gen_done = time.time()
             if self.rollout_corr.bypass:  # rollout correction's bypass mode: the engine's log-probs are the old ones
                 batch["old_log_probs"] = batch["rollout_log_probs"]
             elif self.old_log_prob_pass:  # else the actor update's own forward supplies them (on-policy reuse)
@@ -212,6 +225,12 @@ class PPOTrainer:
                 metrics.update(self.rollout_corr.after_update(batch, self.actor.forward_log_probs))
         with self.watchdog.phase("metrics", self.step + 1):
             metrics.update(self._step_metrics(data, batch, timer))
+            if "policy_version" in batch:
+                versions = self.gather_global(batch, ("policy_version",))["policy_version"]
+                metrics.update(offpolicy.staleness_metrics(versions, self.step))
+            if hasattr(self.rollout, "take_records"):  # the engines on their own ranks
+                metrics.update(self.pipeline.step(records=self.rollout.take_records(), batch_record=batch_record,
+                                                  step_start=step_start, gen_done=gen_done, step_end=time.time()))
         return metrics
 
     @contextmanager
@@ -243,7 +262,7 @@ class PPOTrainer:
         and the engines' KV cache back (mppo.rollout.factory). A collective on every rank; `release()` after."""
         bucket_bytes = self.cfg.actor_rollout_ref.rollout.weight_bucket_mb << 20
         stats = self.rollout.sync_weights(self.actor.model, self.actor.hf_args, bucket_bytes=bucket_bytes,
-                                          trainer_state=self.trainer_state)
+                                          trainer_state=self.trainer_state, version=self.step)
         return {"perf/weight_sync_bytes": float(stats.bytes), "perf/weight_sync_gb_per_s": stats.bytes_per_s / 1e9}
 
     def rollout_batch(self, prompts: PromptBatch, first_index: int, sampling: SamplingParams
@@ -251,7 +270,7 @@ class PPOTrainer:
         """Rollout of the GLOBAL `prompts` (global indices from `first_index`) over every engine: this DP rank's
         rows as the workers' batch, and each row's prompt. Every rank has every response, so each builds its
         rows itself."""
-        prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(prompts.input_ids, prompts.attention_mask)]
+        prompt_ids = offpolicy.prompt_ids(prompts.input_ids, prompts.attention_mask)
         responses = self.rollout.generate(prompt_ids, sampling, step=self.step, first_index=first_index,
                                           agent=self.agent)
         mine, offset = self.io.dp_slice(prompts)
@@ -359,7 +378,8 @@ class PPOTrainer:
                                          response_tokens=response_tokens, use_critic=self.critic is not None,
                                          use_ref=self.ref is not None, old_log_prob_pass=self.old_log_prob_pass)
         metrics.update(perf_metrics(num_tokens=num_tokens, step_seconds=timer.seconds["step"],
-                                    world_size=self.dims.world, flops=self.step_flops, device=self.device))
+                                    world_size=self.dims.world + engine_world(self.cfg), flops=self.step_flops,
+                                    device=self.device))
         errors = all_gather_rows(batch["reward_errors"], self.io.dp_group)
         metrics["reward/errors"] = float(errors.sum().item())
         # the scorer sees only responses with a token to put the score on (mppo.rewards.manager)
@@ -379,8 +399,12 @@ class PPOTrainer:
                    dynamic_ncols=True)
         loader = self.data.train_loader
         batches = _endless(loader)  # one stream: dynamic sampling may take several batches in a step
+        upcoming = None  # the off-policy pipeline's next step's prompts, taken one step early
         while self.step < self.total_steps:
-            metrics = self.train_step(next(batches), more_prompts=lambda: next(batches))
+            prompts = upcoming if upcoming is not None else next(batches)
+            loader_state = loader.state_dict()  # a checkpoint after this step resumes with the next step's prompts
+            upcoming = next(batches) if self.off_policy and self.step + 1 < self.total_steps else None
+            metrics = self.train_step(prompts, more_prompts=lambda: next(batches), next_prompts=upcoming)
             self.step += 1
             self._count_skips(metrics)
             metrics["training/epoch"] = loader.epoch
@@ -396,7 +420,7 @@ class PPOTrainer:
                              ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "response_length/mean")
                              if k in metrics}, refresh=False)
             if (cfg.save_freq > 0 and self.step % cfg.save_freq == 0) or last:
-                self.save_checkpoint()
+                self.save_checkpoint(loader_state if upcoming is not None else None)
         bar.close()
         if self._owns_rollout:
             self.rollout.shutdown()
@@ -494,6 +518,9 @@ def _total_steps(cfg: MppoConfig, batches_per_epoch: int) -> int:
 
 
 def run(cfg: MppoConfig) -> int:
-    trainer = PPOTrainer(cfg)
+    side = offpolicy.start_side(cfg)  # hybrid_engine=false: trainer and engine ranks apart
+    if side is not None and side.role == ENGINE:
+        return offpolicy.run_engine_side(cfg, side)
+    trainer = PPOTrainer(cfg, side=side)
     trainer.fit()
     return 0

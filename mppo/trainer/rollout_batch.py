@@ -13,6 +13,7 @@ Row r of the batch is sample `r % n` of prompt `r // n` (prompt-major, as engine
                    experts each MoE layer chose for each token, by input_ids column; columns the engine did not run
                    (padding, the last response token) hold experts 0..k-1
     num_tool_calls [B·n]       multi-turn responses only (mppo.rollout.agent_loop): tool calls per response
+    policy_version [B·n]       the version (trainer steps done) of the weights that generated each response
 """
 from __future__ import annotations
 
@@ -46,9 +47,11 @@ def build_rollout_batch(prompts: PromptBatch, responses: Sequence[RolloutRespons
         response_mask[r, :length] = (1.0 if resp.loss_mask is None  # multi-turn: 0 on the tool turns
                                      else torch.tensor(resp.loss_mask, dtype=torch.float32))
         rollout_log_probs[r, :length] = torch.tensor(resp.log_probs, dtype=torch.float32)
-    multi_turn = {}
+    extra = {}
+    if responses and responses[0].policy_version is not None:  # the weights' version that generated each sample
+        extra["policy_version"] = torch.tensor([r.policy_version for r in responses], dtype=torch.int64)
     if responses and responses[0].num_tool_calls is not None:  # agent loop responses
-        multi_turn["num_tool_calls"] = torch.tensor([r.num_tool_calls for r in responses], dtype=torch.int64)
+        extra["num_tool_calls"] = torch.tensor([r.num_tool_calls for r in responses], dtype=torch.int64)
     rows_prompts = prompts.repeat(n)  # row r's prompt
     prompt_ids, prompt_mask = rows_prompts.input_ids, rows_prompts.attention_mask
     attention_mask = torch.cat([prompt_mask, valid], dim=1)
@@ -62,7 +65,7 @@ def build_rollout_batch(prompts: PromptBatch, responses: Sequence[RolloutRespons
         "rollout_log_probs": rollout_log_probs,
         # Group id of each row: the prompt's GLOBAL dataset index (GRPO-style estimators group by it).
         "uid": rows_prompts.indices,
-        **multi_turn,  # num_tool_calls [B·n]: tool calls of each multi-turn response
+        **extra,  # policy_version [B·n]; num_tool_calls [B·n]: tool calls of each multi-turn response
     }
     if responses and responses[0].routed_experts is not None:
         batch["routed_experts"] = _routes_by_column(responses, prompt_mask, max_response_length)

@@ -13,6 +13,7 @@ from mppo.config.decisions import uses_sequence_parallel
 from mppo.config.schema import MegatronConfig, ModelConfig
 from mppo.models.builders import Role, build_gpt_model, unwrap_model
 from mppo.models.hf_config import HFModelArgs, read_hf_config
+from mppo.models.lora import apply_lora, lora_spec
 from mppo.models.weights import load_hf_weights
 from mppo.parallel import ParallelDims, ParallelLayoutError
 from mppo.workers.batching import Batch
@@ -74,6 +75,8 @@ def build_role_model(hf_dir: str | Path, dims: ParallelDims, *, role: Role, mode
                              **recompute_overrides(megatron.recompute, dims.device), **losses,
                              **router_replay_overrides(router_replay, is_moe=args.is_moe))
     load_hf_weights(chunks, hf_dir, args)
+    if role == "actor" and model_cfg.lora.rank > 0:  # LoRA: the base frozen, adapters trained (mppo.models.lora)
+        apply_lora(chunks, args, lora_spec(model_cfg.lora), base_dir=str(hf_dir))
     return args, chunks, dtype
 
 

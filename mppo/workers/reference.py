@@ -1,4 +1,5 @@
-"""The reference policy: a frozen copy of the initial actor (no optimizer), for the KL terms.
+"""The reference policy: a frozen copy of the initial actor (no optimizer), for the KL terms; with LoRA, the
+actor's own frozen base (its adapters off), not a copy.
 
 With `ref.offload_to_cpu` on a GPU its weights live in host memory and move to the GPU only for the duration
 of `compute_log_prob` (slime does the same). On a CPU-only machine the weights are already in host memory,
@@ -13,6 +14,7 @@ from typing import Iterator
 import torch
 
 from mppo.config.schema import ModelConfig, RefConfig
+from mppo.models.lora import adapters_disabled
 from mppo.parallel import ParallelDims
 from mppo.workers.base import build_role_model
 from mppo.workers.batching import Batch, validate_batch
@@ -29,13 +31,20 @@ class ReferenceWorker:
     """
 
     def __init__(self, model_cfg: ModelConfig, ref_cfg: RefConfig, dims: ParallelDims, hf_dir: str | Path, *,
-                 logprob_impl: str = "fused", kernel_backend: str = "auto", max_token_len: int | None = None):
+                 logprob_impl: str = "fused", kernel_backend: str = "auto", max_token_len: int | None = None,
+                 lora_actor=None):
+        """`lora_actor`: a LoRA ActorWorker whose frozen base is the reference (its adapters switched off for each
+        call, mppo.models.lora.adapters_disabled): no model of its own, nothing to offload (veRL does the same)."""
         self.cfg, self.dims = ref_cfg, dims
         self.max_token_len = max_token_len
-        self.hf_args, self.model, self.dtype = build_role_model(hf_dir, dims, role="ref", model_cfg=model_cfg,
-                                                                megatron=ref_cfg.megatron)
+        self.shares_actor = lora_actor is not None
+        if self.shares_actor:
+            self.hf_args, self.model, self.dtype = lora_actor.hf_args, lora_actor.model, lora_actor.dtype
+        else:
+            self.hf_args, self.model, self.dtype = build_role_model(hf_dir, dims, role="ref", model_cfg=model_cfg,
+                                                                    megatron=ref_cfg.megatron)
         self.logprob_fn = make_logprob_fn(logprob_impl, kernel_backend)
-        self.offload = ref_cfg.offload_to_cpu and dims.device.type != "cpu"
+        self.offload = ref_cfg.offload_to_cpu and dims.device.type != "cpu" and not self.shares_actor
         if self.offload:
             self._move(torch.device("cpu"))
 
@@ -71,7 +80,8 @@ class ReferenceWorker:
                 raise ValueError("ref.log_prob_micro_batch_size_per_gpu is not set; resolve the config or pass "
                                  "micro_batch_size / max_token_len")
         batch = {k: v.to(self.dims.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
-        with torch.no_grad(), self._on_device():
+        base = adapters_disabled(self.model) if self.shares_actor else contextlib.nullcontext()
+        with torch.no_grad(), self._on_device(), base:
             return compute_response_outputs(
                 self.model, batch, self.logprob_fn, vocab_size=self.hf_args.vocab_size, temperature=temperature,
                 micro_batch_size=micro_batch_size, max_token_len=max_token_len, phase="ref/log_prob")["log_probs"]

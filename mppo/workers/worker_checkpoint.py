@@ -33,7 +33,9 @@ import torch.distributed as dist
 from mppo.errors import UserError
 from mppo.models.atomic import atomic_directory
 from mppo.models.builders import unwrap_model
-from mppo.models.checkpoint import HF_SUBDIR, MODEL_SUBDIR, model_sharded_state_dict
+from mppo.models.checkpoint import HF_SUBDIR, MODEL_SUBDIR, load_chunk_state, model_sharded_state_dict
+from mppo.models.lora import lora_info
+from mppo.models.lora_io import lora_mismatch, write_lora_meta
 from mppo.models.pickle_vetting import vet_checkpoint_dir
 from mppo.models.weights import write_hf_metadata
 
@@ -215,6 +217,8 @@ def save_worker_checkpoint(worker, ckpt_dir: str | Path, *, extra_state: dict[st
         (tmp / RNG_SUBDIR / f"rank{_rank()}.json").write_text(json.dumps(rng))
         if _rank() == 0:
             write_hf_metadata(tmp / HF_SUBDIR, worker.hf_args, tokenizer_dir)
+            if (info := lora_info(worker.model)) is not None:  # adapters only: name the base they need
+                write_lora_meta(tmp, info.spec, info.base_dir)
             state = {"format": FORMAT_VERSION, "role": _role(worker),
                      "model": {k: getattr(worker.hf_args, k) for k in _MODEL_FACTS},
                      "layout": _layout(worker), "has_optimizer": optimizer is not None,
@@ -291,12 +295,16 @@ def load_worker_checkpoint(worker, ckpt_dir: str | Path, *, load_optimizer: bool
         load_optimizer = getattr(worker, "optimizer", None) is not None
     state = read_worker_state(ckpt_dir)
     check_compatible(state, worker, load_optimizer=load_optimizer, load_rng=load_rng)
+    info = lora_info(worker.model)  # LoRA: the same adapters on the same base
+    problem = lora_mismatch(ckpt_dir, info and info.spec, info and info.base_dir)
+    if problem:
+        raise CheckpointMismatchError(f"cannot load the checkpoint: {problem}")
     optimizer = getattr(worker, "optimizer", None)
     loaded = dist_checkpointing.load(_sharded_state(worker, with_optimizer=load_optimizer, is_loading=True),
                                      str(Path(ckpt_dir) / MODEL_SUBDIR))
     keys = ["model"] if len(worker.model) == 1 else [f"model{i}" for i in range(len(worker.model))]
     for chunk, key in zip(worker.model, keys):
-        unwrap_model(chunk).load_state_dict(loaded[key], strict=True)
+        load_chunk_state(chunk, loaded[key])
     if load_optimizer:
         # no_grad: megatron-core 0.16's dp_reshardable loader copies into fp32 master params in place, and with
         # fp32 training those are views of the model's (grad-requiring) parameters

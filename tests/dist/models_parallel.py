@@ -18,6 +18,8 @@ import torch.distributed as dist
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # + dist_util
 from dist_util import rank_main  # noqa: E402
 from models_fixtures import MODELS, load_hf_model, make_hf_model, save_tiny_tokenizer  # noqa: E402
+from lora_cases import MODEL as LORA_MODEL, adapter_tensors, hf_lora_reference, lora_layout_cases  # noqa: E402
+from lora_cases import hf_adapter_grads  # noqa: E402
 from next_token import (next_token_loss_step, token_logits, token_logprobs, token_values,  # noqa: E402
                         unpadded_micro_batches)
 
@@ -102,6 +104,10 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
     heads = {name: value_head(margs[name].hidden_size) for name in MODELS}
     refs = {name: hf_reference(hf_models[name], batches[name], heads[name]) for name in MODELS}
     originals = {name: load_file(str(work / name / "model.safetensors")) for name in MODELS}
+    lora_tensors = adapter_tensors(margs[LORA_MODEL])
+    lora_refs, _ = hf_lora_reference(work, lora_tensors, batches[LORA_MODEL], hf_reference, load_hf_model)
+    lora_grads = hf_adapter_grads(work, lora_tensors, batches[LORA_MODEL], load_hf_model)
+    lora_outputs: dict[str, list] = {}
 
     # The llama3 rope scaling must matter for these inputs, or the llama cases would not test it.
     llama = hf_models["llama_tied"]
@@ -137,6 +143,9 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
             res[f"{key}/logits"] = max_diff(outs, refs[name], "logits")
             if (tp, pp, vpp) == (1, 1, None):
                 tp1_logits[name] = outs
+            if name == LORA_MODEL and vpp is None:
+                lora_layout_cases(work, res, key, tp, args, dims, batches[name], outs, lora_refs, lora_tensors,
+                                  lora_grads, lora_outputs)
             lp = token_logprobs(chunks, batches[name], vocab_size=args.vocab_size, temperature=TEMPERATURE)
             res[f"{key}/log_probs"] = max_diff(lp, refs[name], "log_probs")
             res[f"{key}/entropy"] = max_diff(lp, refs[name], "entropy")
@@ -202,6 +211,8 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
                                                                 "values")
         destroy()
 
+    for key, outs in lora_outputs.items():
+        res[f"{key}/lora/log_probs_vs_tp1"] = max_diff(outs, lora_outputs[f"tp1pp1/{LORA_MODEL}"], "log_probs")
     convert_cases(work, res, rank, hf_models, batches, refs, tp1_logits)
     cpu_compat_cases(res, margs["qwen2_untied"], work / "qwen2_untied")
 

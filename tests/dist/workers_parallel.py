@@ -19,6 +19,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from dist_util import rank_main  # noqa: E402
 from models_fixtures import load_hf_model, make_hf_model  # noqa: E402
 from workers_overlap import overlap_cases  # noqa: E402
+from workers_lora import lora_cases  # noqa: E402
 from workers_fixtures import (TEMPERATURE, add_value_head, count_host_reads, dp_shard,  # noqa: E402
                               hf_response_logprobs, hf_values, make_batch, max_state_diff, mean_steps,
                               reference_actor_updates, reference_critic_updates)
@@ -71,6 +72,7 @@ class Cases:
         if self.rank == 0:
             make_hf_model("qwen2_untied", self.work / "actor", seed=0)
             make_hf_model("qwen2_tied", self.work / "tied", seed=1)
+            make_hf_model("qwen2_untied", self.work / "lora_other_base", seed=5)  # LoRA: another base
             add_value_head(self.work / "actor", self.work / "critic")
         dist.barrier()
         self.vocab = read_hf_config(self.work / "actor").vocab_size
@@ -483,6 +485,7 @@ def run_cases(opts, res: dict) -> None:
                  cases.bf16_training, cases.critic, cases.host_reads, cases.checkpoints,
                  lambda: overlap_cases(cases.work, cases.batch, res, actor_config)):
         case()
+    lora_cases(cases, actor_config, TEMPERATURE, dp_shard)
 
 
 def main() -> None:

@@ -5,7 +5,9 @@
 # $OUT/bench_attention.json, $OUT/reports/*.json (numbers the tests measured).
 #   OUT=/tmp/gpu-out bash tests/gpu/run_device_checks.sh
 # STAGES picks stages (default "doctor tests bench", sized for one call of <= 9 minutes: 90 + 300 + 150 s; also
-# "tune", "tune-ppo" and "attention", ~2 minutes each), GPU_TESTS the pytest targets, BENCH_IMPLS the kernels compared.
+# "tune", "tune-ppo" and "attention", ~2 minutes each, and "parallel", <= 6 minutes: `mppo plan` of the scale-out
+# recipes, TP2 + sequence parallelism vs HF (needs 2 GPUs: skipped, saying so, on fewer), a 32k-token log-prob pass
+# on one GPU against its plan and HF), GPU_TESTS the pytest targets, BENCH_IMPLS the kernels compared.
 set -u
 OUT="${OUT:-/tmp/mppo-gpu-checks}"
 mkdir -p "$OUT/reports"
@@ -64,5 +66,26 @@ if [[ " $STAGES " == *" attention "* ]]; then
   timeout 120 "$PY" -m mppo bench attention --device cuda --lengths 4096,8192,16384 --layers 2 --hidden 896 \
     --heads 14 --kv-heads 2 --runs 1 --repeats 5 --json "$OUT/bench_attention.json"
   echo "bench attention rc=$?"
+fi
+if [[ " $STAGES " == *" parallel "* ]]; then
+  stage "mppo plan of the scale-out recipes on H100 and H200 nodes (CPU only: no GPU is touched)"
+  for recipe in configs/qwen3_30b_a3b_grpo.yaml configs/qwen2_5_7b_grpo_32k_cp.yaml; do
+    for device in h100 h200; do
+      timeout 60 "$PY" -m mppo plan "$recipe" --hf-config auto --device "$device" | grep -E "^(layout|verdict)|peak \("
+      echo "plan $recipe $device rc=${PIPESTATUS[0]}"
+    done
+  done
+  GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  stage "TP2 + sequence parallelism vs HF and vs TP2 without SP (2 GPUs, nccl, fp32)"
+  if (( GPUS >= 2 )); then
+    timeout 180 "$PY" -m torch.distributed.run --nproc_per_node 2 tests/gpu/parallel_checks.py sp "$OUT/parallel"
+    echo "parallel sp rc=$?"
+  else
+    echo "SKIPPED: TP2 needs 2 GPUs, one per TP rank; this machine has $GPUS"
+  fi
+  stage "one 32k-token sequence on one GPU: the planned vs measured old-log-prob memory at CP1, log-probs vs HF"
+  timeout 240 "$PY" tests/gpu/parallel_checks.py long "$OUT/parallel"
+  echo "parallel long rc=$?"
+  cp "$OUT"/parallel/parallel_*.json "$OUT/reports/" 2>/dev/null
 fi
 stage "done"

@@ -1,0 +1,236 @@
+"""Rollout across the split (`actor_rollout_ref.hybrid_engine=false`): the trainer's `RemoteRollout`, the engine
+ranks' `serve_engine`, and the versioned weight stream between them (mppo.parallel.placement makes the bridge).
+
+The engine ranks run `serve_engine`: the launch's rollout (mppo.rollout.factory, its engine groups formed over the
+engine ranks' own world) driven by messages the first trainer rank broadcasts over the bridge's control group, one
+at a time, in order:
+
+    hello     the trainer's parameter dtype; the engines start
+    weights   version v: the actor's HF weights follow in buckets (bucket layouts on the weights' gloo group, the
+              bytes on the weights group: gloo on CPU, NCCL on GPUs); the engines load them and keep them
+    generate  global prompts, sampling, step, first index: the engines generate, the first engine rank broadcasts
+              every response (with the weight version and the engine's generation interval) to every rank
+    stop      the engines shut down
+
+Every rank of the launch takes part in each control and result broadcast (trainer ranks other than the first only
+receive), so both sides must see the same sequence. The engine serves one message after the other, so
+`RemoteRollout` keeps at most one generation outstanding and collects it before it sends anything else:
+`prefetch` sends a request and returns at once (the engines generate while the trainer trains: the off-policy
+pipeline), the next `generate` of the same request, `sync_weights` or `shutdown` receives its responses first.
+A new weight version therefore waits for the generation in flight; there are no partial rollouts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mppo.config import MppoConfig
+from mppo.models.hf_config import HFModelArgs
+from mppo.parallel.placement import Side
+from mppo.rollout.base import NamedTensor, RolloutResponse, SamplingParams
+from mppo.rollout.factory import build_rollout, launch_layout, pack_responses, unpack_responses
+from mppo.rollout.weight_sync import SyncStats, push_actor_weights
+
+log = logging.getLogger("mppo")
+_ALIGN = 64  # bytes: every tensor of a bucket starts on a cache line, whatever its dtype
+
+
+@dataclass(frozen=True)
+class GenerationRecord:
+    """One generation the engines served: the weight version it used and when it ran (time.time() on the first
+    engine rank), how long the trainer waited for it and when it had it (time.time())."""
+
+    version: int
+    start: float
+    end: float
+    trainer_wait_s: float
+    collected: float
+
+
+@dataclass
+class _Request:
+    key: tuple
+    received: list[RolloutResponse] | None = None
+    record: GenerationRecord | None = None
+
+
+# ---------------------------------------------------------------------------------------------- the weight stream
+def _pack_bucket(bucket: list[NamedTensor], device: torch.device) -> tuple[list[tuple], torch.Tensor]:
+    """One flat byte buffer of the bucket's tensors and their (name, shape, dtype, offset) layout."""
+    layout, end = [], 0
+    for name, tensor in bucket:
+        start = -(-end // _ALIGN) * _ALIGN
+        layout.append((name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), start))
+        end = start + tensor.nbytes
+    flat = torch.empty(max(end, 1), dtype=torch.uint8, device=device)
+    for (_, _, _, start), (_, tensor) in zip(layout, bucket):
+        flat[start:start + tensor.nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+    return layout, flat
+
+
+def _unpack_bucket(layout: list[tuple], flat: torch.Tensor) -> list[NamedTensor]:
+    out = []
+    for name, shape, dtype, start in layout:
+        dt = getattr(torch, dtype)
+        numel = 1
+        for size in shape:
+            numel *= size
+        out.append((name, flat[start:start + numel * dt.itemsize].view(dt).view(shape)))
+    return out
+
+
+class _BridgeSender:
+    """What push_actor_weights feeds on the first trainer rank: each bucket across the bridge to every engine."""
+
+    def __init__(self, side: Side) -> None:
+        self.bridge = side.bridge
+
+    def update_weights(self, buckets: Iterator[list[NamedTensor]]) -> None:
+        src = self.bridge.weight_ranks[0]
+        for bucket in buckets:
+            layout, flat = _pack_bucket(bucket, self.bridge.device)
+            self.bridge.broadcast_object((layout, flat.numel()), src, weights=True)
+            self.bridge.broadcast_weights(flat)
+        self.bridge.broadcast_object(None, src, weights=True)
+
+
+def _received_buckets(side: Side) -> Iterator[list[NamedTensor]]:
+    """The engine ranks' side of _BridgeSender: buckets of views into freshly received buffers."""
+    bridge = side.bridge
+    while True:
+        head = bridge.broadcast_object(None, bridge.weight_ranks[0], weights=True)
+        if head is None:
+            return
+        layout, nbytes = head
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=bridge.device)
+        bridge.broadcast_weights(flat)
+        yield _unpack_bucket(layout, flat)
+
+
+# ---------------------------------------------------------------------------------------------- the trainer's side
+class RemoteRollout:
+    """The trainer ranks' Rollout when the engines live on their own ranks: the calls of mppo.rollout.factory's
+    Rollout (each collective over the trainer ranks), plus `prefetch` for the off-policy pipeline."""
+
+    def __init__(self, cfg: MppoConfig, side: Side, *, dtype: torch.dtype) -> None:
+        self.side, self.bridge = side, side.bridge
+        self.name = cfg.actor_rollout_ref.rollout.name
+        self._driver, self._engine0 = side.placement.trainer_ranks[0], side.placement.engine_ranks[0]
+        self.engine_version: int | None = None  # the weight version the engines hold
+        self._outstanding: _Request | None = None
+        self._ready: list[_Request] = []  # collected, not yet asked for
+        self.records: list[GenerationRecord] = []  # since the last take_records()
+        self.last_record: GenerationRecord | None = None  # the generation the last generate() returned
+        self._send({"op": "hello", "dtype": str(dtype).removeprefix("torch.")})
+
+    def _send(self, message: dict[str, Any]) -> None:
+        self._collect()  # the engines take the next message only after answering the last
+        self.bridge.broadcast_object(message if self.bridge.rank == self._driver else None, self._driver)
+
+    def _collect(self) -> None:
+        request, self._outstanding = self._outstanding, None
+        if request is None:
+            return
+        began = time.perf_counter()
+        answer = self.bridge.broadcast_object(None, self._engine0)
+        wait = time.perf_counter() - began
+        version = answer["version"]
+        request.received = [dataclasses.replace(r, policy_version=version) for r in unpack_responses(answer["packed"])]
+        request.record = GenerationRecord(version, answer["start"], answer["end"], wait, time.time())
+        self.records.append(request.record)
+        self._ready.append(request)
+
+    def sync_weights(self, model_chunks: Sequence[nn.Module], hf_args: HFModelArgs, *, bucket_bytes: int,
+                     trainer_state: Any = None, version: int = 0) -> SyncStats:
+        """The actor's weights as `version` into every engine (nothing moves when they hold it already).
+        `trainer_state` is not offloaded: no engine shares the trainer's memory."""
+        if self.engine_version == version:
+            return SyncStats(bytes=0, seconds=0.0, buckets=0)
+        self._send({"op": "weights", "version": version})
+        sender = _BridgeSender(self.side) if self.bridge.rank == self._driver else None
+        stats = push_actor_weights(sender, model_chunks, hf_args, bucket_bytes, destinations=[0])
+        self.engine_version = version
+        return stats
+
+    def prefetch(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, step: int,
+                 first_index: int = 0) -> None:
+        """Ask the engines for `generate(prompts, ...)` now, on the weights they hold, and return at once."""
+        key = _key(prompts, sampling, step, first_index)
+        self._send({"op": "generate", "prompts": [list(p) for p in prompts], "sampling": sampling, "step": step,
+                    "first_index": first_index})
+        self._outstanding = _Request(key)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, step: int,
+                 first_index: int = 0, agent: Any = None) -> list[RolloutResponse]:
+        """Every response to the GLOBAL `prompts`, on every trainer rank: a prefetched generation of the same
+        request if there is one (whatever weights it ran on: each response carries its `policy_version`), else
+        one on the engines' current weights."""
+        if agent is not None:
+            raise ValueError("multi-turn rollout is not built for actor_rollout_ref.hybrid_engine=false")
+        key = _key(prompts, sampling, step, first_index)
+        if self._outstanding is None or self._outstanding.key != key:
+            if not any(r.key == key for r in self._ready):
+                self.prefetch(prompts, sampling, step=step, first_index=first_index)
+        self._collect()
+        request = self._ready.pop(next(i for i, r in enumerate(self._ready) if r.key == key))
+        self.last_record = request.record
+        return request.received
+
+    def take_records(self) -> list[GenerationRecord]:
+        records, self.records = self.records, []
+        return records
+
+    def release(self) -> None:
+        """Nothing to free: the engines keep their weights and KV cache (no trainer state shares their memory)."""
+
+    def shutdown(self) -> None:
+        self._send({"op": "stop"})
+        self._ready.clear()
+
+
+def _key(prompts: Sequence[Sequence[int]], sampling: SamplingParams, step: int, first_index: int) -> tuple:
+    return (step, first_index, repr(sampling), tuple(tuple(p) for p in prompts))
+
+
+# ---------------------------------------------------------------------------------------------- the engines' side
+def serve_engine(cfg: MppoConfig, side: Side, *, run_dir: Path) -> int:
+    """The engine ranks' program: start the engines, serve the trainer's messages until `stop`."""
+    bridge, driver = side.bridge, side.placement.trainer_ranks[0]
+    is_first = bridge.rank == side.placement.engine_ranks[0]
+    rollout, version = None, None
+    while True:
+        message = bridge.broadcast_object(None, driver)
+        op = message["op"]
+        if op == "stop":
+            break
+        if op == "hello":
+            rollout = build_rollout(cfg, device=bridge.device, dtype=getattr(torch, message["dtype"]),
+                                    log_dir=run_dir / "rollout",
+                                    layout=launch_layout(cfg.actor_rollout_ref.rollout.tensor_model_parallel_size,
+                                                         local_world=side.placement.engines_per_node))
+        elif op == "weights":
+            rollout.engine.update_weights(_received_buckets(side))
+            rollout.engine.resume()
+            version = message["version"]
+        elif op == "generate":
+            start = time.time()
+            responses = rollout.generate(message["prompts"], message["sampling"], step=message["step"],
+                                         first_index=message["first_index"])
+            answer = {"version": version, "start": start, "end": time.time(), "packed": pack_responses(responses)}
+            bridge.broadcast_object(answer if is_first else None, side.placement.engine_ranks[0])
+        else:
+            raise ValueError(f"unknown rollout message {op!r}")
+    if rollout is not None:
+        rollout.shutdown()
+    return 0
+
+
+__all__ = ["GenerationRecord", "RemoteRollout", "serve_engine"]

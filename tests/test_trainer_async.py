@@ -1,0 +1,118 @@
+"""Separate placement and the off-policy pipeline (issue 26): `actor_rollout_ref.hybrid_engine=false` puts the
+CPU engine on its own rank beside the trainer's, `async_training.max_off_policy_steps` = 0 (synchronous) or 1
+(the engine generates step s+1 while step s trains).
+
+References: the co-located 1-rank run of the same config (the real CLI under torchrun, as tests/test_trainer_e2e.py)
+for k=0, which must give the same metrics; for k=1 the same step 1 (both generate it on the initial weights), then
+responses one version old (staleness 1, a rollout-vs-actor gap far above the co-located run's) generated while the
+previous step updated (the generation intervals the engine reports overlap the trainer's update phases)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dist_util import REPO, free_port
+from e2e_assets import dense_reward, make_assets, step_metrics, tiny_overrides
+
+SEPARATE = ["actor_rollout_ref.hybrid_engine=false", "trainer.n_gpus_per_node=1",
+            "actor_rollout_ref.rollout.n_gpus_per_node=1", "actor_rollout_ref.rollout.nnodes=1"]
+NOT_COMPARED = ("timing_s/", "perf/", "async/trainer_idle", "async/engine_idle", "async/gen_overlap")
+
+
+def load(overrides: list[str], world: int):
+    from mppo.config import load_config
+
+    return load_config(str(REPO / "configs" / "demo_cpu.yaml"), overrides, world_size=world)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    return make_assets(tmp_path_factory.mktemp("assets"))
+
+
+def train(world: int, overrides: list[str], timeout: float = 600) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "-m", "mppo", "train", "configs/demo_cpu.yaml", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+
+
+def test_placement_splits_nodes():
+    from mppo.parallel.placement import PlacementError, plan_placement
+
+    shared = plan_placement(8, 4, trainer_nnodes=2, trainer_per_node=3, rollout_nnodes=2, rollout_per_node=1)
+    assert shared.trainer_ranks == (0, 1, 2, 4, 5, 6) and shared.engine_ranks == (3, 7)
+    assert shared.role(7) == "engine" and shared.side_rank(7) == 1 and shared.side_rank(4) == 3
+    own = plan_placement(12, 4, trainer_nnodes=2, trainer_per_node=4, rollout_nnodes=1, rollout_per_node=4)
+    assert own.trainer_ranks == tuple(range(8)) and own.engine_ranks == (8, 9, 10, 11)
+    with pytest.raises(PlacementError, match="= 3, but the launch has 4 ranks"):
+        plan_placement(4, 4, trainer_nnodes=1, trainer_per_node=2, rollout_nnodes=1, rollout_per_node=1)
+    with pytest.raises(PlacementError, match="do not split"):
+        plan_placement(8, 4, trainer_nnodes=1, trainer_per_node=3, rollout_nnodes=1, rollout_per_node=5)
+
+
+def test_bad_placements_stop_in_one_line(assets, tmp_path):
+    from mppo.config import ConfigError
+
+    base = tiny_overrides(assets, tmp_path, world=1)
+    cases = {
+        "async_training.max_off_policy_steps = -1: must be >= 0": (SEPARATE + ["async_training.max_off_policy_steps=-1"], 2),
+        "max_off_policy_steps = 1 needs actor_rollout_ref.hybrid_engine=false": (
+            ["async_training.max_off_policy_steps=1"], 1),
+        "= 1 x 1 + 1 x 1 = 2, but the launch has 3 ranks": (SEPARATE, 3),
+        "only 0 and 1 are built": (SEPARATE + ["async_training.max_off_policy_steps=2"], 2),
+        "actor_rollout_ref.rollout.n_gpus_per_node = 0": (SEPARATE + ["actor_rollout_ref.rollout.n_gpus_per_node=0"], 1),
+        "multi_turn.enable=true with actor_rollout_ref.hybrid_engine=false": (
+            SEPARATE + ["actor_rollout_ref.rollout.multi_turn.enable=true"], 2),
+    }
+    for expected, (extra, world) in cases.items():
+        with pytest.raises(ConfigError) as err:
+            load(base + extra, world)
+        assert expected in str(err.value) and "\n" not in str(err.value), (expected, str(err.value))
+    # the trainer's DP is built over its own ranks: 1 trainer rank of a 2-rank launch is DP 1
+    assert load(base + SEPARATE, 2).actor_rollout_ref.hybrid_engine is False
+    # the CLI's --dry-run stops on the same line
+    proc = subprocess.run([sys.executable, "-m", "mppo", "train", "configs/demo_cpu.yaml", *base, *SEPARATE,
+                           "async_training.max_off_policy_steps=-1", "--dry-run"], cwd=REPO, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(REPO), "WORLD_SIZE": "2"}, timeout=120)
+    assert proc.returncode != 0 and "async_training.max_off_policy_steps = -1" in proc.stderr + proc.stdout
+
+
+def test_separate_placement_sync_equals_colocated_and_one_step_off_policy_overlaps(assets, tmp_path):
+    """1 trainer rank + 1 CPU-engine rank: k=0 gives the co-located 1-rank run's step 1-3 metrics (1e-4, with
+    validation, the weight sync across the split each step); k=1 gives its step 1, then samples one version old,
+    generated while the previous step updated."""
+    # 2 mini-batches: the old-log-prob pass runs, so the rollout-vs-actor metrics are logged
+    common = tiny_overrides(assets, tmp_path / "x", world=1, steps=3) + dense_reward(assets) + [
+        "trainer.save_freq=-1", "trainer.test_freq=2"]
+    runs = {"colocated": (1, []), "k0": (2, SEPARATE), "k1": (2, SEPARATE + ["async_training.max_off_policy_steps=1"])}
+    metrics = {}
+    for name, (world, extra) in runs.items():
+        run_dir = tmp_path / name
+        train(world, common + extra + [f"trainer.default_local_dir={run_dir}"])
+        metrics[name] = step_metrics(run_dir)
+    co, k0, k1 = metrics["colocated"], metrics["k0"], metrics["k1"]
+    assert sorted(co) == sorted(k0) == sorted(k1) == [0, 1, 2, 3]
+    assert co[0]["val/test_score/countdown"] == k0[0]["val/test_score/countdown"]
+    for step in (1, 2, 3):
+        keys = [k for k in co[step] if not k.startswith(NOT_COMPARED)]
+        assert len(keys) > 30 and set(keys) <= set(k0[step]), set(keys) - set(k0[step])
+        for key in keys:
+            assert k0[step][key] == pytest.approx(co[step][key], rel=1e-4, abs=1e-6), (step, key)
+        assert k0[step]["async/staleness/max"] == 0 and k0[step]["async/gen_overlap_s"] == 0
+    # validation before step 1 and after step 2 pushed versions 0 and 2 already; step 2 pushes version 1
+    assert [k0[step]["perf/weight_sync_bytes"] > 0 for step in (1, 2, 3)] == [False, True, False]
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "training/rollout_probs_diff_max"):
+        assert k1[1][key] == pytest.approx(co[1][key], rel=1e-4, abs=1e-6), key
+    assert k1[1]["async/staleness/max"] == 0
+    for step in (2, 3):
+        assert k1[step]["async/staleness/mean"] == k1[step]["async/staleness/max"] == 1, step
+        assert k1[step]["async/gen_overlap_s"] > 0, step  # this step's generation ran during the last update
+        assert k1[step]["training/rollout_probs_diff_max"] > 10 * co[step]["training/rollout_probs_diff_max"]
+        for key in ("async/trainer_idle_fraction", "async/engine_idle_fraction"):
+            assert 0 <= k1[step][key] <= 1 and 0 <= k0[step][key] <= 1, (step, key)
