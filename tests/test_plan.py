@@ -312,6 +312,48 @@ def test_kv_cache_and_flops_by_hand():
     assert math.isclose(training_flops(q7, _layout(recompute="full"), tokens, seq, epochs=2), 2 * expected * 4 / 3)
 
 
+def test_lora_actor_state_is_frozen_base_plus_fp32_adapters_by_hand(capsys):
+    """A LoRA actor (Qwen2.5-7B, TP2 DP4, distributed optimizer): the base counts as bf16 weights only, the adapters
+    (counted here from rank and the projections' shapes) as fp32 weights + fp32 grads + fp32 Adam m, v over DP 4;
+    no reference model; activations as full fine-tuning; the text prints LoRA vs full fine-tuning."""
+    from mppo.config import load_config
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan import known_config, plan
+    from mppo.plan.memory import stage_params
+
+    q7 = read_hf_config(known_config("Qwen2.5-7B")[1])
+    recipe = str(REPO / "configs/gsm8k_qwen2.5_7b_grpo.yaml")
+    full = plan(load_config(recipe, ["actor_rollout_ref.actor.use_kl_loss=true"]), q7)
+    r, h, q, kv, f, layers, tp, dp = 32, 3584, 28 * 128, 4 * 128, 18944, 28, 2, 4
+    # per layer on one TP rank, A [r, in] and B [out, r]: q/k/v and gate/up split B's rows over TP, o and down A's
+    # columns
+    per_layer = (r * h + q // tp * r) + 2 * (r * h + kv // tp * r) + (r * q // tp + h * r) \
+        + 2 * (r * h + f // tp * r) + (r * f // tp + h * r)
+    adapters = layers * per_layer
+    cases = {("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"): adapters,
+             ("q_proj", "v_proj"): layers * ((r * h + q // tp * r) + (r * h + kv // tp * r))}
+    for targets, n in cases.items():
+        lora = plan(load_config(recipe, ["actor_rollout_ref.actor.use_kl_loss=true",
+                                         "actor_rollout_ref.model.lora.rank=32",
+                                         f"actor_rollout_ref.model.lora.target_modules=[{','.join(targets)}]"]), q7)
+        actor = lora.roles[0]
+        assert [x.layout.role for x in lora.roles] == ["actor"]  # the reference is the actor's base
+        base = stage_params(q7, actor.layout, 0)
+        assert actor.state.adapter_params == n
+        assert actor.state.params == base == full.roles[0].state.params
+        assert actor.state.weights == base * 2 + n * 4  # bf16 base + fp32 adapters
+        assert actor.state.grads == n * 4 and actor.state.optimizer == math.ceil(n * 2 * 4 / dp)
+        assert actor.activations_peak == full.roles[0].activations_peak
+        assert lora.training_phases == {k: v for k, v in full.training_phases.items() if k != "ref"}
+        assert lora.full_finetune is not None and lora.full_finetune.resident == full.resident
+        assert lora.full_finetune.training_peak == full.training_peak
+        assert lora.resident < full.resident
+    assert full.full_finetune is None and [x.layout.role for x in full.roles] == ["actor", "ref"]
+    code, out, _ = _run_plan(capsys, recipe, "--hf-config", "auto", "actor_rollout_ref.model.lora.rank=32")
+    assert code == 0 and "LoRA vs full fine-tuning per GPU: resident" in out
+    assert "fp32 adapter grads only" in out and f"{adapters / 1e6:.2f}M adapter params" in out
+
+
 # ------------------------------------------------------------------------------------------------- recipes
 def _recipe_plans(tmp_path: Path, monkeypatch) -> dict:
     """Every config in configs/ planned (the GPU recipes on their built-in model configs)."""
