@@ -408,6 +408,11 @@ def test_every_recipe_plans_with_sensible_numbers(tmp_path, monkeypatch):
     lay = long.roles[0].layout
     assert (lay.tp, lay.cp, lay.dp, lay.sp, long.sequence_len) == (2, 4, 1, True, 32768)
     assert long.fits and long.logprob.tokens == 32768 / 4  # H100; each rank scores its 1/CP of the sequence
+    lora = plans["qwen2_5_7b_grpo_lora.yaml"]  # one GPU: the frozen bf16 base, fp32 adapters, no reference model
+    actor = lora.roles[0].state
+    assert [r.layout.role for r in lora.roles] == ["actor"] and lora.world == 1 and lora.fits  # H100
+    assert actor.grads == actor.adapter_params * 4 < 0.05 * actor.weights
+    assert lora.full_finetune is not None and not lora.full_finetune.fits
     demo = plans["demo_cpu.yaml"]
     assert demo.dtype == "fp32" and demo.step is None and demo.fits
     # a CPU rank: the process, and the CPU engine's fp32 weights (134,515,008 parameters, transformers' count of the
@@ -420,13 +425,14 @@ def test_every_recipe_plans_with_sensible_numbers(tmp_path, monkeypatch):
 
 
 def test_the_scale_out_recipes_fit_h100_and_h200_nodes_and_need_their_cp():
-    """configs/qwen3_30b_a3b_grpo.yaml and configs/qwen2_5_7b_grpo_32k_cp.yaml fit both devices; the long-response
+    """configs/qwen3_30b_a3b_grpo.yaml, configs/qwen2_5_7b_grpo_32k_cp.yaml and the one-GPU LoRA recipe
+    configs/qwen2_5_7b_grpo_lora.yaml fit both devices; the long-response
     recipe does not fit an H100 at CP1, and the planner's CP suggestion then fits."""
     from mppo.config import load_config
     from mppo.models.hf_config import read_hf_config
     from mppo.plan import known_config, plan
 
-    for name in ("qwen3_30b_a3b_grpo.yaml", "qwen2_5_7b_grpo_32k_cp.yaml"):
+    for name in ("qwen3_30b_a3b_grpo.yaml", "qwen2_5_7b_grpo_32k_cp.yaml", "qwen2_5_7b_grpo_lora.yaml"):
         cfg = load_config(str(REPO / "configs" / name))
         args = read_hf_config(known_config(cfg.actor_rollout_ref.model.path)[1])
         for device in ("h100", "h200"):
@@ -579,7 +585,7 @@ def test_plans_md_is_up_to_date(tmp_path, capsys, monkeypatch):
     """bench/PLANS.md is what `mppo plan <GPU recipes> --hf-config auto --markdown` prints today."""
     recipes = ["configs/countdown_qwen2.5_3b_ppo.yaml", "configs/gsm8k_qwen2.5_7b_grpo.yaml",
                "configs/qwen2.5_32b_4node.yaml", "configs/qwen3_30b_a3b_grpo.yaml",
-               "configs/qwen2_5_7b_grpo_32k_cp.yaml"]
+               "configs/qwen2_5_7b_grpo_32k_cp.yaml", "configs/qwen2_5_7b_grpo_lora.yaml"]
     monkeypatch.chdir(REPO)
     out = tmp_path / "PLANS.md"
     code, _, err = _run_plan(capsys, *recipes, "--hf-config", "auto", "--markdown", "--out", str(out))
