@@ -24,6 +24,7 @@ RECIPES = {  # recipe -> the world size it is meant for
     "qwen2.5_32b_4node.yaml": 32,
     "qwen3_30b_a3b_grpo.yaml": 16,
     "qwen2_5_7b_grpo_32k_cp.yaml": 8,
+    "qwen2_5_7b_grpo_lora.yaml": 1,
 }
 
 
@@ -85,6 +86,9 @@ def test_recipe_purposes():
     long = load_config(str(REPO / "configs/qwen2_5_7b_grpo_32k_cp.yaml"))
     assert long.actor_rollout_ref.actor.megatron.context_parallel_size == 4
     assert long.data.max_prompt_length + long.data.max_response_length == 32768
+    assert layout("qwen2_5_7b_grpo_lora.yaml") == ("grpo", False, 1, 1, "sglang")
+    lora = load_config(str(REPO / "configs/qwen2_5_7b_grpo_lora.yaml")).actor_rollout_ref
+    assert 32 <= lora.model.lora.rank <= 64 and lora.actor.use_kl_loss  # the reference: the base, adapters off
 
 
 def test_dry_run_applies_overrides_in_any_position(capsys):

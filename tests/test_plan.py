@@ -312,6 +312,48 @@ def test_kv_cache_and_flops_by_hand():
     assert math.isclose(training_flops(q7, _layout(recompute="full"), tokens, seq, epochs=2), 2 * expected * 4 / 3)
 
 
+def test_lora_actor_state_is_frozen_base_plus_fp32_adapters_by_hand(capsys):
+    """A LoRA actor (Qwen2.5-7B, TP2 DP4, distributed optimizer): the base counts as bf16 weights only, the adapters
+    (counted here from rank and the projections' shapes) as fp32 weights + fp32 grads + fp32 Adam m, v over DP 4;
+    no reference model; activations as full fine-tuning; the text prints LoRA vs full fine-tuning."""
+    from mppo.config import load_config
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan import known_config, plan
+    from mppo.plan.memory import stage_params
+
+    q7 = read_hf_config(known_config("Qwen2.5-7B")[1])
+    recipe = str(REPO / "configs/gsm8k_qwen2.5_7b_grpo.yaml")
+    full = plan(load_config(recipe, ["actor_rollout_ref.actor.use_kl_loss=true"]), q7)
+    r, h, q, kv, f, layers, tp, dp = 32, 3584, 28 * 128, 4 * 128, 18944, 28, 2, 4
+    # per layer on one TP rank, A [r, in] and B [out, r]: q/k/v and gate/up split B's rows over TP, o and down A's
+    # columns
+    per_layer = (r * h + q // tp * r) + 2 * (r * h + kv // tp * r) + (r * q // tp + h * r) \
+        + 2 * (r * h + f // tp * r) + (r * f // tp + h * r)
+    adapters = layers * per_layer
+    cases = {("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"): adapters,
+             ("q_proj", "v_proj"): layers * ((r * h + q // tp * r) + (r * h + kv // tp * r))}
+    for targets, n in cases.items():
+        lora = plan(load_config(recipe, ["actor_rollout_ref.actor.use_kl_loss=true",
+                                         "actor_rollout_ref.model.lora.rank=32",
+                                         f"actor_rollout_ref.model.lora.target_modules=[{','.join(targets)}]"]), q7)
+        actor = lora.roles[0]
+        assert [x.layout.role for x in lora.roles] == ["actor"]  # the reference is the actor's base
+        base = stage_params(q7, actor.layout, 0)
+        assert actor.state.adapter_params == n
+        assert actor.state.params == base == full.roles[0].state.params
+        assert actor.state.weights == base * 2 + n * 4  # bf16 base + fp32 adapters
+        assert actor.state.grads == n * 4 and actor.state.optimizer == math.ceil(n * 2 * 4 / dp)
+        assert actor.activations_peak == full.roles[0].activations_peak
+        assert lora.training_phases == {k: v for k, v in full.training_phases.items() if k != "ref"}
+        assert lora.full_finetune is not None and lora.full_finetune.resident == full.resident
+        assert lora.full_finetune.training_peak == full.training_peak
+        assert lora.resident < full.resident
+    assert full.full_finetune is None and [x.layout.role for x in full.roles] == ["actor", "ref"]
+    code, out, _ = _run_plan(capsys, recipe, "--hf-config", "auto", "actor_rollout_ref.model.lora.rank=32")
+    assert code == 0 and "LoRA vs full fine-tuning per GPU: resident" in out
+    assert "fp32 adapter grads only" in out and f"{adapters / 1e6:.2f}M adapter params" in out
+
+
 # ------------------------------------------------------------------------------------------------- recipes
 def _recipe_plans(tmp_path: Path, monkeypatch) -> dict:
     """Every config in configs/ planned (the GPU recipes on their built-in model configs)."""
@@ -366,6 +408,11 @@ def test_every_recipe_plans_with_sensible_numbers(tmp_path, monkeypatch):
     lay = long.roles[0].layout
     assert (lay.tp, lay.cp, lay.dp, lay.sp, long.sequence_len) == (2, 4, 1, True, 32768)
     assert long.fits and long.logprob.tokens == 32768 / 4  # H100; each rank scores its 1/CP of the sequence
+    lora = plans["qwen2_5_7b_grpo_lora.yaml"]  # one GPU: the frozen bf16 base, fp32 adapters, no reference model
+    actor = lora.roles[0].state
+    assert [r.layout.role for r in lora.roles] == ["actor"] and lora.world == 1 and lora.fits  # H100
+    assert actor.grads == actor.adapter_params * 4 < 0.05 * actor.weights
+    assert lora.full_finetune is not None and not lora.full_finetune.fits
     demo = plans["demo_cpu.yaml"]
     assert demo.dtype == "fp32" and demo.step is None and demo.fits
     # a CPU rank: the process, and the CPU engine's fp32 weights (134,515,008 parameters, transformers' count of the
@@ -378,13 +425,14 @@ def test_every_recipe_plans_with_sensible_numbers(tmp_path, monkeypatch):
 
 
 def test_the_scale_out_recipes_fit_h100_and_h200_nodes_and_need_their_cp():
-    """configs/qwen3_30b_a3b_grpo.yaml and configs/qwen2_5_7b_grpo_32k_cp.yaml fit both devices; the long-response
+    """configs/qwen3_30b_a3b_grpo.yaml, configs/qwen2_5_7b_grpo_32k_cp.yaml and the one-GPU LoRA recipe
+    configs/qwen2_5_7b_grpo_lora.yaml fit both devices; the long-response
     recipe does not fit an H100 at CP1, and the planner's CP suggestion then fits."""
     from mppo.config import load_config
     from mppo.models.hf_config import read_hf_config
     from mppo.plan import known_config, plan
 
-    for name in ("qwen3_30b_a3b_grpo.yaml", "qwen2_5_7b_grpo_32k_cp.yaml"):
+    for name in ("qwen3_30b_a3b_grpo.yaml", "qwen2_5_7b_grpo_32k_cp.yaml", "qwen2_5_7b_grpo_lora.yaml"):
         cfg = load_config(str(REPO / "configs" / name))
         args = read_hf_config(known_config(cfg.actor_rollout_ref.model.path)[1])
         for device in ("h100", "h200"):
@@ -537,7 +585,7 @@ def test_plans_md_is_up_to_date(tmp_path, capsys, monkeypatch):
     """bench/PLANS.md is what `mppo plan <GPU recipes> --hf-config auto --markdown` prints today."""
     recipes = ["configs/countdown_qwen2.5_3b_ppo.yaml", "configs/gsm8k_qwen2.5_7b_grpo.yaml",
                "configs/qwen2.5_32b_4node.yaml", "configs/qwen3_30b_a3b_grpo.yaml",
-               "configs/qwen2_5_7b_grpo_32k_cp.yaml"]
+               "configs/qwen2_5_7b_grpo_32k_cp.yaml", "configs/qwen2_5_7b_grpo_lora.yaml"]
     monkeypatch.chdir(REPO)
     out = tmp_path / "PLANS.md"
     code, _, err = _run_plan(capsys, *recipes, "--hf-config", "auto", "--markdown", "--out", str(out))

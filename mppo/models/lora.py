@@ -3,9 +3,10 @@
 `apply_lora` freezes every base parameter and attaches, to each targeted linear of this rank's layers (its PP
 stage), one adapter per HF projection fused into it: linear_qkv gets q_proj / k_proj / v_proj adapters, linear_fc1
 gate_proj / up_proj ones, linear_proj o_proj, linear_fc2 down_proj. Each adapter is PEFT's: y += B(A(dropout(x)))
-* alpha / rank, A [rank, in] and B [out, rank] in fp32 (whatever the base dtype), A drawn like PEFT's default
-(kaiming-uniform, a=sqrt(5)) from a generator seeded by the adapter's HF name, so every TP/PP layout starts from
-the same full tensors, and B = 0, so the model starts as the base exactly.
+* alpha / rank (a dropout mask of its own, as in PEFT: LinearAdapters.dropped_inputs), A [rank, in] and B [out,
+rank] in fp32 (whatever the base dtype), A drawn like PEFT's default (kaiming-uniform, a=sqrt(5)) as a full tensor
+from a generator seeded by (the actor's seed, the adapter's HF name), so every TP/PP layout starts from the same
+tensors and another seed from others, and B = 0, so the model starts as the base exactly.
 
 TP sharding follows the base (mppo.models.weight_rules):
 - column-parallel (linear_qkv, linear_fc1; the output dim is split): A replicated, B split by rows like the base
@@ -62,7 +63,7 @@ class LoRASpec:
     alpha: float
     dropout: float
     projections: tuple[str, ...]
-    seed: int = 0  # A's initialisation: one generator per adapter, seeded by (seed, HF name)
+    seed: int = 0  # A's initialisation: one generator per adapter, seeded by (seed, HF name); the actor's seed
 
     @property
     def scale(self) -> float:
@@ -79,7 +80,7 @@ def projection_shapes(args: HFModelArgs) -> dict[str, tuple[int, int]]:
 
 def initial_a(hf_name: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
     """PEFT's default A (kaiming_uniform_ with a=sqrt(5): U(-1/sqrt(in), 1/sqrt(in))), the same full tensor at every
-    layout: drawn from a generator seeded by the adapter's HF module name."""
+    layout: drawn from a generator seeded by (`seed`, the adapter's HF module name)."""
     digest = hashlib.sha256(f"{seed}:{hf_name}".encode()).digest()
     generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
     bound = 1.0 / math.sqrt(shape[1])
@@ -100,6 +101,7 @@ class LinearAdapters(nn.Module):
         self.projections = tuple(p for p in self.fused if p in projections)
         self.scale, self.rank = spec.scale, spec.rank
         self.sequence_parallel = sequence_parallel
+        self.split_input = tp > 1 and (kind == "row" or sequence_parallel)  # each TP rank holds a part of x
         self.enabled = True
         self.groups, self.heads_per_group, self.head_dim = args.num_query_groups // tp, args.heads_per_group, \
             args.head_dim
@@ -141,11 +143,25 @@ class LinearAdapters(nn.Module):
         return torch.cat([q.reshape(*lead, g, self.heads_per_group * d), k.reshape(*lead, g, d),
                           v.reshape(*lead, g, d)], dim=-1).reshape(*lead, -1)
 
+    def dropped_inputs(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The input of each adapter: PEFT's dropout, a mask of its own per projection (also inside the fused
+        linears), after the cast to fp32 as PEFT casts first. In training mode only: the log-prob and value passes
+        run in eval mode (mppo.workers.pipeline). A TP-replicated input draws from the default generator, the same
+        on every TP rank (so the replicated h = A x stays equal); a TP-split one (row-parallel, or sequence
+        parallel) from megatron's model-parallel RNG, different per TP rank as a mask of the full input is."""
+        from megatron.core import tensor_parallel as tpl
+
+        x = x.to(torch.float32)
+        if not (self.training and isinstance(self.dropout, nn.Dropout)):
+            return [x] * len(self.projections)
+        with tpl.get_cuda_rng_tracker().fork() if self.split_input else contextlib.nullcontext():
+            return [self.dropout(x) for _ in self.projections]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core import tensor_parallel as tpl
 
-        x = self.dropout(x).to(torch.float32)
-        h = torch.cat([nn.functional.linear(x, self.lora_A[p]) for p in self.projections], dim=-1)
+        h = torch.cat([nn.functional.linear(xp, self.lora_A[p]) for p, xp in zip(self.projections,
+                                                                                  self.dropped_inputs(x))], dim=-1)
         if self.kind == "column":
             h = tpl.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True) \
                 if self.sequence_parallel else tpl.copy_to_tensor_model_parallel_region(h)
@@ -310,9 +326,9 @@ def export_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor | Me
         yield name, param if adapters is None else MergedWeight(param, adapters)
 
 
-def lora_spec(lora_cfg, seed: int = 0) -> LoRASpec:
-    """The LoRASpec of an `actor_rollout_ref.model.lora` section (mppo.config.schema.LoRAConfig). The trainer keeps
-    seed 0: the initial A is then a function of the adapter's HF name alone, the same in every run and layout."""
+def lora_spec(lora_cfg, seed: int) -> LoRASpec:
+    """The LoRASpec of an `actor_rollout_ref.model.lora` section (mppo.config.schema.LoRAConfig); `seed`: the actor's
+    (`actor_rollout_ref.actor.megatron.seed`, trainer.seed unless set), which draws the initial A."""
     from mppo.config.lora import lora_projections
 
     return LoRASpec(rank=int(lora_cfg.rank), alpha=float(lora_cfg.alpha), dropout=float(lora_cfg.dropout),

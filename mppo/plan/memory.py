@@ -6,6 +6,11 @@ Model state (what megatron-core allocates; a test compares these with a real CPU
              fp32 params have fp32 grads anyway). It stays whole with the distributed optimizer (ZeRO-1, not -2).
   optimizer  Adam exp_avg + exp_avg_sq in fp32, plus an fp32 master copy when params are 16-bit; divided over
              DP ranks by the distributed optimizer.
+A LoRA actor (mppo.models.lora) keeps its base frozen: base weights only, in their dtype (no grads, no optimizer);
+its adapters, A [rank, in] and B [out, rank] per adapted HF projection, are fp32 parameters with fp32 grads and
+Adam m, v (no master copy: they are fp32 already), the Adam state divided over DP by the distributed optimizer.
+Column-parallel projections (q/k/v, gate/up) split B over TP and replicate A; row-parallel ones (o, down) split A
+and replicate B. Their activations (rank-wide, a few MiB) are not counted.
 MoE models (Qwen3-MoE): a MoE layer holds its router (replicated) and num_experts / EP experts of
 3 x hidden x moe_ffn_hidden_size each (split over TP like a dense MLP); the experts' optimizer state is divided
 over the expert-data-parallel ranks (DP / EP) by the distributed optimizer, the rest over DP. A MoE layer's
@@ -69,12 +74,24 @@ class RoleLayout:
     sp: bool = False  # sequence parallelism (megatron.sequence_parallel): the TP-replicated activations split too
     ep: int = 1  # expert parallel size (MoE): each rank holds num_experts / ep experts of every MoE layer
     cp: int = 1  # context parallel size: each rank holds 1/cp of every sequence (dp counts the CP ranks out)
+    lora: LoRALayout | None = None  # the actor trains LoRA adapters on its frozen base
 
     @property
     def replicas(self) -> int:
         """Ranks holding the same parameters: megatron's data-parallel group with context parallelism (grads are
         reduced and the distributed optimizer shards over it)."""
         return self.dp * self.cp
+
+
+@dataclass(frozen=True)
+class LoRALayout:
+    """LoRA adapters of the actor: their rank and the HF projections adapted (mppo.config.lora.lora_projections)."""
+
+    rank: int
+    projections: tuple[str, ...]
+
+
+ROW_PARALLEL_PROJECTIONS = ("o_proj", "down_proj")  # their megatron linears split the input dim over TP
 
 
 @dataclass(frozen=True)
@@ -167,6 +184,24 @@ def total_params(a: HFModelArgs) -> int:
     return layers + a.hidden_size + emb * (1 if a.tie_word_embeddings else 2)
 
 
+def lora_layer_params(a: HFModelArgs, tp: int, lora: LoRALayout) -> int:
+    """Adapter parameters of one layer on one TP rank (see the module docstring for their TP split)."""
+    d, h, ffn = a.head_dim, a.hidden_size, a.ffn_hidden_size
+    q, kv = a.num_attention_heads * d, a.num_query_groups * d
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (ffn, h),
+              "up_proj": (ffn, h), "down_proj": (h, ffn)}  # (out, in)
+    n = 0
+    for proj in lora.projections:
+        out, inp = shapes[proj]
+        n += lora.rank * (inp // tp + out if proj in ROW_PARALLEL_PROJECTIONS else inp + out // tp)
+    return n
+
+
+def stage_lora_params(a: HFModelArgs, lay: RoleLayout, stage: int) -> int:
+    """Adapter parameters held by a rank of pipeline stage `stage` (0 without LoRA)."""
+    return 0 if lay.lora is None else len(stage_layers(a, lay, stage)) * lora_layer_params(a, lay.tp, lay.lora)
+
+
 def stage_expert_params(a: HFModelArgs, lay: RoleLayout, stage: int) -> int:
     """The routed-expert parameters among stage_params (sharded over expert-DP = DP / EP, not DP)."""
     moe_layers = sum(i in a.moe_layers for i in stage_layers(a, lay, stage))
@@ -184,12 +219,13 @@ def all_to_all_bytes(a: HFModelArgs, tokens: float, ep: int, act_bytes: int) -> 
 
 @dataclass(frozen=True)
 class ModelState:
-    params: int
-    weights: int  # bytes on the GPU (0 when offloaded)
+    params: int  # the model's (a LoRA actor: its frozen base's)
+    weights: int  # bytes on the GPU (0 when offloaded); a LoRA actor: base + fp32 adapters
     host_weights: int  # bytes kept in host memory (offloaded reference)
     grads: int
     optimizer: int
     optimizer_unsharded: int  # what the optimizer would take without the distributed optimizer
+    adapter_params: int = 0  # LoRA: the trained adapter parameters (fp32), besides the frozen `params`
 
     @property
     def total(self) -> int:
@@ -201,6 +237,11 @@ def model_state(a: HFModelArgs, lay: RoleLayout, prec: Precision, stage: int) ->
     weights = params * prec.param_bytes
     if not lay.trains:
         return ModelState(params, 0 if lay.offloaded else weights, weights if lay.offloaded else 0, 0, 0, 0)
+    if lay.lora is not None:  # frozen base: weights only; fp32 adapters with fp32 grads and Adam m, v
+        adapters = stage_lora_params(a, lay, stage)
+        opt = adapters * ADAM_MOMENTS * FP32
+        sharded = math.ceil(opt / lay.replicas) if lay.distributed_optimizer else opt
+        return ModelState(params, weights + adapters * FP32, 0, adapters * FP32, sharded, opt, adapters)
     per_param = prec.master_bytes + ADAM_MOMENTS * FP32
     opt = params * per_param
     experts = stage_expert_params(a, lay, stage)

@@ -20,13 +20,14 @@ configs/demo.yaml: the resident set rises by ~1.2-1.7 GiB over the live memory i
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mppo.config import MegatronConfig, MppoConfig, get_key, resolve
 from mppo.config.decisions import old_log_prob_pass, uses_critic, uses_reference, uses_sequence_parallel
-from mppo.config.lora import lora_enabled
+from mppo.config.lora import lora_enabled, lora_projections
 from mppo.models.hf_config import HFModelArgs
 from mppo.plan import memory as mem
 from mppo.plan.catalog import DEVICES, DeviceSpec, GiB
@@ -110,6 +111,15 @@ class Suggestion:
     problem: str | None  # the config error the overrides cause (other keys must change too), if any
 
 
+@dataclass(frozen=True)
+class FullFinetunePlan:
+    """The same config with LoRA off (lora.rank=0): the actor's full weights trained, the reference its own model."""
+
+    resident: float
+    training_peak: float
+    fits: bool
+
+
 @dataclass
 class Plan:
     model: str
@@ -130,6 +140,7 @@ class Plan:
     moe: MoEPlan | None = None
     engine_resident: float = 0.0  # rollout weights kept through training (the CPU engine's; SGLang releases its)
     allocator_retained: float = 0.0  # CPU: freed activations glibc keeps in the heap (one training working set)
+    full_finetune: FullFinetunePlan | None = None  # a LoRA actor: the full fine-tuning plan to compare with
 
     @property
     def resident(self) -> float:
@@ -178,6 +189,9 @@ def _finite(value: Any) -> Any:
 def _layouts(cfg: MppoConfig, world: int, seq: int) -> list[mem.RoleLayout]:
     arr, n, samples = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size
     dynamic = arr.actor.use_dynamic_bsz
+    lora = arr.model.lora
+    adapters = (mem.LoRALayout(lora.rank, lora_projections(lora.target_modules, lora.exclude_modules))
+                if lora_enabled(cfg) else None)
     roles = [("actor", arr.actor, True)]
     roles += [("critic", cfg.critic, True)] if uses_critic(cfg) else []
     # LoRA: the reference is the actor's own frozen base (its adapters off), no model of its own
@@ -210,7 +224,7 @@ def _layouts(cfg: MppoConfig, world: int, seq: int) -> list[mem.RoleLayout]:
             distributed_optimizer=bool(m.use_distributed_optimizer), recompute=m.recompute, micro_batch=micro,
             forward_micro_batch=fwd, micro_batches_per_step=max(1, int(per_rank // max(micro or fwd, 1))),
             trains=trains, offloaded=role == "ref" and arr.ref.offload_to_cpu, ep=ep,
-            sp=uses_sequence_parallel(m) and tp > 1, cp=cp))
+            sp=uses_sequence_parallel(m) and tp > 1, cp=cp, lora=adapters if role == "actor" else None))
     return out
 
 
@@ -316,13 +330,25 @@ def plan(cfg: MppoConfig, hf_args: HFModelArgs, device_memory_bytes: int | None 
                   attention="flash (Transformer Engine or SDPA)" if flash else "unfused (local spec)", world=world,
                   sequence_len=seq, roles=roles, runtime_reserve=reserve, training_phases=phases, logprob=logprob,
                   rollout=rollout, step=step, moe=_moe(cfg, hf_args, layouts, roles, prec, seq),
-                  engine_resident=engine_resident, allocator_retained=0.0 if on_gpu else max(phases.values()))
+                  engine_resident=engine_resident, allocator_retained=0.0 if on_gpu else max(phases.values()),
+                  full_finetune=_full_finetune(cfg, hf_args, device_memory_bytes, device, mfu))
     if suggest and not result.fits:
         from mppo.plan.knobs import suggestions  # knobs re-plans trial configs with this function
 
         result.suggestions = suggestions(cfg, hf_args, result, device=device, device_memory_bytes=device_memory_bytes,
                                          mfu=mfu)
     return result
+
+
+def _full_finetune(cfg: MppoConfig, a: HFModelArgs, device_memory_bytes: int | None, device: str, mfu: float
+                   ) -> FullFinetunePlan | None:
+    """A LoRA config planned again with LoRA off, for the LoRA vs full fine-tuning comparison (None without LoRA)."""
+    if not lora_enabled(cfg):
+        return None
+    full = copy.deepcopy(cfg)
+    full.actor_rollout_ref.model.lora.rank = 0
+    p = plan(full, a, device_memory_bytes, device=device, mfu=mfu, suggest=False)
+    return FullFinetunePlan(p.resident, p.training_peak, p.fits)
 
 
 def _moe(cfg: MppoConfig, a: HFModelArgs, layouts: list[mem.RoleLayout], roles: list[RolePlan],

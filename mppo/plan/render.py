@@ -48,6 +48,11 @@ def _state_rows(r: RolePlan, dtype: str) -> list[tuple[str, str, float]]:
     over = f"DP {lay.dp}" if lay.cp == 1 else f"DP x CP {lay.replicas}"  # megatron's data-parallel group with CP
     opt = (f"distributed over {over} (without: {size(s.optimizer_unsharded)})" if lay.distributed_optimizer
            else f"not distributed (distributed over {over}: {size(s.optimizer_unsharded / lay.replicas)})")
+    if lay.lora is not None:
+        adapters = f"LoRA rank {lay.lora.rank}: {count(s.adapter_params)} adapter params"
+        return [(f"{name} weights", f"{count(s.params)} frozen base params x {dtype} + {adapters} x fp32", s.weights),
+                (f"{name} gradients", "fp32 adapter grads only (megatron DDP buffer)", s.grads),
+                (f"{name} optimizer", f"fp32 Adam m, v of the adapters; {opt}", s.optimizer)]
     return [(f"{name} weights", f"{count(s.params)} params x {dtype}", s.weights),
             (f"{name} gradients", "fp32 main grads (megatron DDP buffer)", s.grads),
             (f"{name} optimizer", f"fp32 Adam m, v{'' if dtype == 'fp32' else ' + master'}; {opt}", s.optimizer)]
@@ -99,6 +104,11 @@ def render_text(p: Plan) -> str:
             "(glibc's heap: a CPU rank's resident set holds them beside the next update's)")
     verdict = "fits" if p.fits_training else "DOES NOT FIT"
     add(f"  peak ({PHASE_TEXT[p.peak_phase]}): {size(p.training_peak)} of {size(p.device.memory_bytes)}: {verdict}")
+    if p.full_finetune is not None:
+        full = p.full_finetune
+        add(f"  LoRA vs full fine-tuning per {unit}: resident {size(p.resident)} vs {size(full.resident)}, training "
+            f"peak {size(p.training_peak)} vs {size(full.training_peak)} (full: "
+            f"{'fits' if full.fits else 'does not fit'}; its reference is a model of its own)")
     add(_rollout_text(p))
     add("")
     add(f"verdict: {'FITS' if p.fits else 'DOES NOT FIT'} on {p.device.name}")
@@ -189,6 +199,9 @@ def render_markdown(plans: list[Plan]) -> str:
         rows += [(f"{PHASE_TEXT[k]} working set", "training phase", v) for k, v in p.training_phases.items()]
         if p.allocator_retained:
             rows.append(("allocator keeps", "training phase: the previous update's freed activations", p.allocator_retained))
+        if p.full_finetune is not None:
+            rows.append(("full fine-tuning training peak", "the same config with lora.rank=0, for comparison",
+                         p.full_finetune.training_peak))
         rows += [("engine weights", f"{'kept through training' if p.engine_resident else 'rollout phase'}, "
                                     f"TP{p.rollout.engine_tp}", p.rollout.weights),
                  ("engine KV cache", f"rollout phase, {p.rollout.kv_tokens / 1e3:.0f}k tokens", p.rollout.kv_cache)]

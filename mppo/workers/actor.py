@@ -108,7 +108,8 @@ class ActorWorker:
             log.info("actor loss: %s", self.loss_path.describe())
         self.hf_args, chunks, self.dtype = build_role_model(hf_dir, dims, role="actor", model_cfg=model_cfg,
                                                             megatron=actor_cfg.megatron,
-                                                            router_replay=actor_cfg.router_replay.mode)
+                                                            router_replay=actor_cfg.router_replay.mode,
+                                                            lora_seed=actor_cfg.megatron.seed or 0)
         use_dist_opt = bool(actor_cfg.megatron.use_distributed_optimizer)
         self.model = wrap_with_ddp(chunks, **ddp_options(actor_cfg.megatron, dims))
         self.optimizer = build_optimizer(self.model, actor_cfg.optim, use_distributed_optimizer=use_dist_opt,

@@ -63,9 +63,12 @@ def recompute_overrides(recompute: str | None, device: torch.device) -> dict:
 
 
 def build_role_model(hf_dir: str | Path, dims: ParallelDims, *, role: Role, model_cfg: ModelConfig,
-                     megatron: MegatronConfig,
-                     router_replay: str = "disabled") -> tuple[HFModelArgs, list[nn.Module], torch.dtype]:
-    """(HF facts, model chunks with the HF weights loaded, dtype) for a role (`router_replay`: the actor's mode)."""
+                     megatron: MegatronConfig, router_replay: str = "disabled",
+                     lora_seed: int = 0) -> tuple[HFModelArgs, list[nn.Module], torch.dtype]:
+    """(HF facts, model chunks with the HF weights loaded, dtype) for a role (`router_replay`: the actor's mode).
+    `lora_seed`: the actor's seed, for its LoRA adapters' initial A. The caller reads it from the actor's own
+    section: read here from `megatron` (MegatronConfig, also the reference's and critic's type), the config-key
+    scan (tests/test_config_keys_read.py) would count their inert `megatron.seed` as read too."""
     check_layout(megatron, dims, role)
     args = read_hf_config(hf_dir)
     dtype = resolve_dtype(model_cfg, dims)
@@ -76,7 +79,7 @@ def build_role_model(hf_dir: str | Path, dims: ParallelDims, *, role: Role, mode
                              **router_replay_overrides(router_replay, is_moe=args.is_moe))
     load_hf_weights(chunks, hf_dir, args)
     if role == "actor" and model_cfg.lora.rank > 0:  # LoRA: the base frozen, adapters trained (mppo.models.lora)
-        apply_lora(chunks, args, lora_spec(model_cfg.lora), base_dir=str(hf_dir))
+        apply_lora(chunks, args, lora_spec(model_cfg.lora, seed=lora_seed), base_dir=str(hf_dir))
     return args, chunks, dtype
 
 
