@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="per-token stop probability (median length ~ln2/p; the cap makes the tail)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: leave the GPUs visible (one per rank: 2 for every case but colocated-1)")
     p.add_argument("--json", type=Path, default=None, help="also write all measurements here")
     return p
 
@@ -74,6 +76,8 @@ def case_overrides(opts: argparse.Namespace, case: str, assets: Path, run_dir: P
     # 2 optimizer steps per update: the old-log-prob pass runs, as it must off-policy
     # one trailing step: the last measured step's period ends where the next generation starts
     overrides += [f"trainer.total_training_steps={opts.warmup + opts.steps + 1}",
+                  "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+                  "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1",
                   f"actor_rollout_ref.actor.ppo_mini_batch_size={max(trainer_ranks, opts.batch // 2)}",
                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
                   "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
@@ -81,7 +85,8 @@ def case_overrides(opts: argparse.Namespace, case: str, assets: Path, run_dir: P
     return overrides + extra + list(opts.overrides)
 
 
-def launch(overrides: list[str], ranks: int, work: Path, timeout_s: float = 3600) -> dict[str, Any]:
+def launch(overrides: list[str], ranks: int, work: Path, device: str = "cpu", timeout_s: float = 3600
+           ) -> dict[str, Any]:
     """One torchrun launch of this module's rank entry point (the trainer's fit, generation calls timed)."""
     spec, out = work / "spec.json", work / "generations.json"
     spec.write_text(json.dumps({"config": str(DEFAULT_CONFIG), "overrides": overrides, "out": str(out)}))
@@ -92,8 +97,9 @@ def launch(overrides: list[str], ranks: int, work: Path, timeout_s: float = 3600
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
            f"--master_port={port}", "-m", "mppo.bench.off_policy", "--rank-worker", str(spec)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}",
-           "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
     load_before = load_average()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0 or not out.is_file():
@@ -204,7 +210,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             work = Path(tmp) / case
             work.mkdir()
             overrides = case_overrides(opts, case, assets, work / "run")
-            result = launch(overrides, CASES[case][0], work)
+            result = launch(overrides, CASES[case][0], work, device=opts.device)
             result["overrides"] = overrides
             out["results"][case] = result
             out["summaries"][case] = summarize(result, opts.warmup)
@@ -216,7 +222,8 @@ def describe(opts: argparse.Namespace, out: dict[str, Any]) -> str:
     return "\n".join([
         f"mppo bench off-policy: GRPO, random Qwen2 (hidden {opts.hidden}, {opts.layers} layers, fp32), "
         f"{opts.batch} countdown prompts x {opts.n} per step, responses <= {opts.response_length} tokens (stop "
-        f"probability {opts.eos_prob:.3f} per token), CPU engine, 1 thread per rank on {out['cores']} cores",
+        f"probability {opts.eos_prob:.3f} per token), CPU engine, 1 thread per rank on {out['cores']} cores"
+        + (" (GPUs visible: --device cuda)" if opts.device == "cuda" else ""),
         f"steps: {opts.warmup} warm-up, {opts.steps} measured, 1 trailing (a step's period ends where the next "
         "step's generation starts)",
         f"load average (uptime, 1 min) before -> after: {loads}",
