@@ -5,7 +5,8 @@ CPU engine on its own rank beside the trainer's, `async_training.max_off_policy_
 References: the co-located 1-rank run of the same config (the real CLI under torchrun, as tests/test_trainer_e2e.py)
 for k=0, which must give the same metrics; for k=1 the same step 1 (both generate it on the initial weights), then
 responses one version old (staleness 1, a rollout-vs-actor gap far above the co-located run's) generated while the
-previous step updated (the generation intervals the engine reports overlap the trainer's update phases)."""
+previous step updated (the generation intervals the engine reports overlap the trainer's update phases); for a k=1
+run killed with a generation in flight and restarted, the uninterrupted k=1 run, bit for bit."""
 from __future__ import annotations
 
 import os
@@ -83,21 +84,30 @@ def test_bad_placements_stop_in_one_line(assets, tmp_path):
     assert proc.returncode != 0 and "async_training.max_off_policy_steps = -1" in proc.stderr + proc.stdout
 
 
-def test_separate_placement_sync_equals_colocated_and_one_step_off_policy_overlaps(assets, tmp_path):
+@pytest.fixture(scope="module")
+def runs(assets, tmp_path_factory) -> dict[str, tuple[list[str], Path, dict[int, dict]]]:
+    """The co-located 1-rank run and the separate runs at k=0 and k=1 (4 steps: the resume test's reference):
+    each one's overrides, run directory and metrics."""
+    tmp = tmp_path_factory.mktemp("runs")
+    # 2 mini-batches: the old-log-prob pass runs, so the rollout-vs-actor metrics are logged
+    common = tiny_overrides(assets, tmp / "x", world=1, steps=3) + dense_reward(assets) + [
+        "trainer.save_freq=-1", "trainer.test_freq=2"]
+    plans = {"colocated": (1, []), "k0": (2, SEPARATE),
+             "k1": (2, SEPARATE + ["async_training.max_off_policy_steps=1", "trainer.total_training_steps=4"])}
+    out = {}
+    for name, (world, extra) in plans.items():
+        overrides = common + extra + [f"trainer.default_local_dir={tmp / name}"]
+        train(world, overrides)
+        out[name] = (overrides, tmp / name, step_metrics(tmp / name))
+    return out
+
+
+def test_separate_placement_sync_equals_colocated_and_one_step_off_policy_overlaps(runs):
     """1 trainer rank + 1 CPU-engine rank: k=0 gives the co-located 1-rank run's step 1-3 metrics (1e-4, with
     validation, the weight sync across the split each step); k=1 gives its step 1, then samples one version old,
     generated while the previous step updated."""
-    # 2 mini-batches: the old-log-prob pass runs, so the rollout-vs-actor metrics are logged
-    common = tiny_overrides(assets, tmp_path / "x", world=1, steps=3) + dense_reward(assets) + [
-        "trainer.save_freq=-1", "trainer.test_freq=2"]
-    runs = {"colocated": (1, []), "k0": (2, SEPARATE), "k1": (2, SEPARATE + ["async_training.max_off_policy_steps=1"])}
-    metrics = {}
-    for name, (world, extra) in runs.items():
-        run_dir = tmp_path / name
-        train(world, common + extra + [f"trainer.default_local_dir={run_dir}"])
-        metrics[name] = step_metrics(run_dir)
-    co, k0, k1 = metrics["colocated"], metrics["k0"], metrics["k1"]
-    assert sorted(co) == sorted(k0) == sorted(k1) == [0, 1, 2, 3]
+    co, k0, k1 = (runs[name][2] for name in ("colocated", "k0", "k1"))
+    assert sorted(co) == sorted(k0) == [0, 1, 2, 3] and sorted(k1) == [0, 1, 2, 3, 4]
     assert co[0]["val/test_score/countdown"] == k0[0]["val/test_score/countdown"]
     for step in (1, 2, 3):
         keys = [k for k in co[step] if not k.startswith(NOT_COMPARED)]
@@ -116,3 +126,31 @@ def test_separate_placement_sync_equals_colocated_and_one_step_off_policy_overla
         assert k1[step]["training/rollout_probs_diff_max"] > 10 * co[step]["training/rollout_probs_diff_max"]
         for key in ("async/trainer_idle_fraction", "async/engine_idle_fraction"):
             assert 0 <= k1[step][key] <= 1 and 0 <= k0[step][key] <= 1, (step, key)
+
+
+def test_one_step_off_policy_kill_and_resume_continues_identically(runs, tmp_path):
+    """k=1, killed in step 3's actor update (the checkpoint after step 2 written while the engine generated step 3
+    on version 1; step 4's generation in flight on version 2), then restarted: the resumed run trains step 3 on the
+    rollout the checkpoint kept and its steps 3-4 (and everything before) equal the uninterrupted k=1 run's, to the
+    bit (timing aside). A resume that regenerated step 3 on the checkpoint's weights would be one version newer."""
+    from reliability_launch import train as launch
+
+    overrides, _, want = runs["k1"]
+    run_dir = tmp_path / "crashed"
+    overrides = overrides + [f"trainer.default_local_dir={run_dir}", "trainer.save_freq=2"]
+    killed = launch(overrides, env={"MPPO_FAULT": "kill@step:3:phase:update_actor"}, log=tmp_path / "killed.log",
+                    timeout=900)
+    assert killed.returncode != 0 and "fault injection [rank 0]: kill at step 3" in killed.output, killed.output[-3000:]
+    assert (run_dir / "checkpoints" / "global_step_2" / "in_flight" / "responses.safetensors").is_file()
+    resumed = launch(overrides, log=tmp_path / "resumed.log", timeout=900)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert f"resumed from {run_dir / 'checkpoints' / 'global_step_2'} (step 2)" in resumed.output
+    assert "restored the generation in flight at the checkpoint: step 3's responses (policy version 1)" in \
+        resumed.output
+    got = step_metrics(run_dir)
+    assert sorted(got) == sorted(want) == [0, 1, 2, 3, 4]
+    for step in want:
+        keys = {k for k in want[step] if not k.startswith(NOT_COMPARED)}
+        assert keys == {k for k in got[step] if not k.startswith(NOT_COMPARED)}, step
+        assert {k: got[step][k] for k in keys} == {k: want[step][k] for k in keys}, step
+    assert got[3]["async/staleness/max"] == got[4]["async/staleness/max"] == 1

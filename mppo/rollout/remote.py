@@ -18,6 +18,9 @@ receive), so both sides must see the same sequence. The engine serves one messag
 `prefetch` sends a request and returns at once (the engines generate while the trainer trains: the off-policy
 pipeline), the next `generate` of the same request, `sync_weights` or `shutdown` receives its responses first.
 A new weight version therefore waits for the generation in flight; there are no partial rollouts.
+
+A checkpoint keeps the generation in flight (`prefetched`, `restore`; written by mppo.trainer.offpolicy): a resumed
+run trains on the very responses the uninterrupted run would have, generated on the weights one version back.
 """
 from __future__ import annotations
 
@@ -163,7 +166,7 @@ class RemoteRollout:
     def prefetch(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, step: int,
                  first_index: int = 0) -> None:
         """Ask the engines for `generate(prompts, ...)` now, on the weights they hold, and return at once."""
-        key = _key(prompts, sampling, step, first_index)
+        key = request_key(prompts, sampling, step, first_index)
         self._send({"op": "generate", "prompts": [list(p) for p in prompts], "sampling": sampling, "step": step,
                     "first_index": first_index})
         self._outstanding = _Request(key)
@@ -175,7 +178,7 @@ class RemoteRollout:
         one on the engines' current weights."""
         if agent is not None:
             raise ValueError("multi-turn rollout is not built for actor_rollout_ref.hybrid_engine=false")
-        key = _key(prompts, sampling, step, first_index)
+        key = request_key(prompts, sampling, step, first_index)
         if self._outstanding is None or self._outstanding.key != key:
             if not any(r.key == key for r in self._ready):
                 self.prefetch(prompts, sampling, step=step, first_index=first_index)
@@ -183,6 +186,23 @@ class RemoteRollout:
         request = self._ready.pop(next(i for i, r in enumerate(self._ready) if r.key == key))
         self.last_record = request.record
         return request.received
+
+    def has_prefetched(self) -> bool:
+        """Whether a prefetched generation is in flight or collected and not yet asked for (the same on every
+        trainer rank: they all make the same calls)."""
+        return self._outstanding is not None or bool(self._ready)
+
+    def prefetched(self) -> list[tuple[tuple, list[RolloutResponse], GenerationRecord]]:
+        """The prefetched generations not yet asked for, as (request key, responses, record), the one in flight
+        collected first (a wait on every rank: the checkpoint that keeps them calls this after writing the models,
+        so the engines finish meanwhile). They stay here for the `generate` that asks for them."""
+        self._collect()
+        return [(r.key, r.received, r.record) for r in self._ready]
+
+    def restore(self, key: tuple, responses: list[RolloutResponse], record: GenerationRecord) -> None:
+        """A prefetched generation a checkpoint kept (`prefetched` of the saved run): the next `generate` of the same
+        request returns it instead of asking the engines."""
+        self._ready.append(_Request(key, responses, record))
 
     def take_records(self) -> list[GenerationRecord]:
         records, self.records = self.records, []
@@ -196,8 +216,11 @@ class RemoteRollout:
         self._ready.clear()
 
 
-def _key(prompts: Sequence[Sequence[int]], sampling: SamplingParams, step: int, first_index: int) -> tuple:
-    return (step, first_index, repr(sampling), tuple(tuple(p) for p in prompts))
+def request_key(prompts: Sequence[Sequence[int]], sampling: SamplingParams | str, step: int,
+                first_index: int) -> tuple:
+    """What identifies a request (`sampling`, or its repr as a checkpoint saved it)."""
+    sampling = sampling if isinstance(sampling, str) else repr(sampling)
+    return (step, first_index, sampling, tuple(tuple(p) for p in prompts))
 
 
 # ---------------------------------------------------------------------------------------------- the engines' side
@@ -233,4 +256,4 @@ def serve_engine(cfg: MppoConfig, side: Side, *, run_dir: Path) -> int:
     return 0
 
 
-__all__ = ["GenerationRecord", "RemoteRollout", "serve_engine"]
+__all__ = ["GenerationRecord", "RemoteRollout", "request_key", "serve_engine"]

@@ -148,6 +148,7 @@ class PPOTrainer:
         self.consecutive_skips = state.get("consecutive_skips", 0)
         self.consecutive_failed_rewards = state.get("consecutive_failed_rewards", 0)
         self.metrics.truncate_after(self.step)
+        offpolicy.restore_in_flight(self.rollout, info.path)  # the off-policy pipeline's generation in flight
         log.info("resumed from %s (step %d)", info.path, self.step)
 
     def save_checkpoint(self, loader_state: dict | None = None) -> None:
@@ -162,6 +163,7 @@ class PPOTrainer:
         writers = {"actor": lambda d: save_worker_checkpoint(self.actor, d, tokenizer_dir=tokenizer_dir)}
         if self.critic is not None:
             writers["critic"] = lambda d: save_worker_checkpoint(self.critic, d, tokenizer_dir=tokenizer_dir)
+        writers.update(offpolicy.in_flight_writers(self.rollout))  # last: the engines generate while models save
         state = {"step": self.step, "data": loader_state or self.data.train_loader.state_dict(),
                  "kl_ctrl": self.kl_ctrl.state_dict(), "skipped_steps": self.skipped_steps,
                  "consecutive_skips": self.consecutive_skips,
@@ -512,9 +514,7 @@ def _update_metrics(role: str, worker_metrics: dict[str, float]) -> dict[str, fl
 
 
 def _total_steps(cfg: MppoConfig, batches_per_epoch: int) -> int:
-    if cfg.trainer.total_training_steps:
-        return cfg.trainer.total_training_steps
-    return cfg.trainer.total_epochs * batches_per_epoch
+    return cfg.trainer.total_training_steps or cfg.trainer.total_epochs * batches_per_epoch
 
 
 def run(cfg: MppoConfig) -> int:

@@ -12,13 +12,26 @@ each step saw into the `async/` metrics:
                                  or a request (from step 2)
     async/gen_overlap_s          seconds of this step's generation that ran while the previous step updated
                                  (from the end of its generation phase to its end): > 0 is the pipeline at work
+
+A checkpoint keeps the generation in flight (`in_flight_writers`, `restore_in_flight`): at k=1 the checkpoint after
+step s is written while the engines generate step s+1 on the weights of version s-1, which the checkpoint does not
+hold. Rather than keep those weights too (a second copy of the actor in every checkpoint) and count on the engine
+regenerating bit-identically on them (the CPU engine would; SGLang's batching promises no such thing), the
+checkpoint waits for that generation (after writing the models, so the engines run meanwhile: the next step would
+wait for it anyway) and saves its responses, tokens, log-probs and version: kilobytes. A resumed run trains step s+1
+on exactly those, so it continues with the uninterrupted run's metrics.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mppo.config import MppoConfig
 from mppo.parallel.placement import ENGINE, Side, init_placement, plan_placement
@@ -44,6 +57,61 @@ def run_engine_side(cfg: MppoConfig, side: Side) -> int:
 
     assert side.role == ENGINE
     return serve_engine(cfg, side, run_dir=Path(cfg.trainer.default_local_dir))
+
+
+log = logging.getLogger("mppo")
+IN_FLIGHT = "in_flight"  # the checkpoint part that holds the prefetched generation
+_REQUESTS, _RESPONSES = "requests.json", "responses.safetensors"
+
+
+def in_flight_writers(rollout: Any) -> dict[str, Callable[[Path], None]]:
+    """The checkpoint writer of the generation the off-policy pipeline has in flight (none: {}); called on every
+    trainer rank (the wait for the engines is collective), rank 0 writes."""
+    if not getattr(rollout, "has_prefetched", lambda: False)():
+        return {}
+
+    def write(directory: Path) -> None:
+        from safetensors.torch import save_file
+
+        from mppo.rollout.factory import pack_responses
+
+        kept = rollout.prefetched()
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        directory.mkdir(parents=True)
+        requests, tensors = [], {}
+        for i, ((step, first_index, sampling, prompts), responses, record) in enumerate(kept):
+            requests.append({"step": step, "first_index": first_index, "sampling": sampling,
+                             "prompts": [list(p) for p in prompts], "version": record.version,
+                             "start": record.start, "end": record.end})
+            tensors.update({f"{i}.{name}": t.contiguous() for name, t in pack_responses(responses).items()})
+        save_file(tensors, directory / _RESPONSES)
+        (directory / _REQUESTS).write_text(json.dumps(requests))
+
+    return {IN_FLIGHT: write}
+
+
+def restore_in_flight(rollout: Any, checkpoint: Path) -> int:
+    """Hand the generations a checkpoint kept (in_flight_writers) back to the rollout; how many there were."""
+    directory = checkpoint / IN_FLIGHT
+    if not directory.is_dir():
+        return 0
+    from safetensors.torch import load_file
+
+    from mppo.rollout.factory import unpack_responses
+    from mppo.rollout.remote import GenerationRecord, request_key
+
+    requests, tensors = json.loads((directory / _REQUESTS).read_text()), load_file(directory / _RESPONSES)
+    for i, request in enumerate(requests):
+        packed = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.split(".", 1)[0] == str(i)}
+        version = request["version"]
+        responses = [replace(r, policy_version=version) for r in unpack_responses(packed)]
+        record = GenerationRecord(version, request["start"], request["end"], trainer_wait_s=0.0, collected=0.0)
+        rollout.restore(request_key(request["prompts"], request["sampling"], request["step"],
+                                    request["first_index"]), responses, record)
+        log.info("restored the generation in flight at the checkpoint: step %d's responses (policy version %d)",
+                 request["step"] + 1, version)
+    return len(requests)
 
 
 def prompt_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:

@@ -7,7 +7,8 @@
 # STAGES picks stages (default "doctor tests bench", sized for one call of <= 9 minutes: 90 + 300 + 150 s; also
 # "tune", "tune-ppo" and "attention", ~2 minutes each, and "parallel", <= 6 minutes: `mppo plan` of the scale-out
 # recipes, TP2 + sequence parallelism vs HF (needs 2 GPUs: skipped, saying so, on fewer), a 32k-token log-prob pass
-# on one GPU against its plan and HF), GPU_TESTS the pytest targets, BENCH_IMPLS the kernels compared.
+# on one GPU against its plan and HF; "async", <= 7 minutes: `mppo bench off-policy` on 2 GPUs, skipped, saying so,
+# on fewer), GPU_TESTS the pytest targets, BENCH_IMPLS the kernels compared.
 set -u
 OUT="${OUT:-/tmp/mppo-gpu-checks}"
 mkdir -p "$OUT/reports"
@@ -87,5 +88,16 @@ if [[ " $STAGES " == *" parallel "* ]]; then
   timeout 240 "$PY" tests/gpu/parallel_checks.py long "$OUT/parallel"
   echo "parallel long rc=$?"
   cp "$OUT"/parallel/parallel_*.json "$OUT/reports/" 2>/dev/null
+fi
+if [[ " $STAGES " == *" async "* ]]; then
+  GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  stage "co-located vs separate k=0 vs separate k=1 GRPO steps on long-tail lengths (mppo bench off-policy, 2 GPUs)"
+  if (( GPUS >= 2 )); then
+    timeout 400 "$PY" -m mppo bench off-policy --device cuda --json "$OUT/reports/bench_off_policy.json"
+    echo "bench off-policy rc=$?"
+  else
+    echo "SKIPPED: the separate placement gives the trainer rank and the engine rank a GPU each (cuda:LOCAL_RANK;" \
+         "NCCL puts no two ranks of a group on one device), the fair co-located case the same 2; this machine has $GPUS"
+  fi
 fi
 stage "done"
