@@ -80,6 +80,7 @@ class MegatronConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None  # model chunks per stage (interleaved 1F1B); 1 = none
     expert_model_parallel_size: Optional[int] = None  # EP: ranks splitting each MoE layer's experts (from DP)
     sequence_parallel: Optional[bool] = None  # SP: activations split along the sequence over TP; null = on iff TP > 1
+    context_parallel_size: Optional[int] = None  # CP: each sequence split over CP ranks (2*CP load-balanced chunks)
     use_distributed_optimizer: Optional[bool] = None  # shard optimizer state over DP ranks (ZeRO-1)
     recompute: Optional[str] = field(default=None, metadata={"choices": RECOMPUTE})  # activation recomputation
     seed: Optional[int] = None  # model-parallel RNG seed (init, dropout); actor: null = trainer.seed
@@ -92,8 +93,8 @@ class MegatronConfig:
 def actor_megatron_defaults() -> MegatronConfig:
     return MegatronConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                           virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
-                          use_distributed_optimizer=True, recompute="none", seed=None, param_offload=False,
-                          optimizer_offload=False,
+                          context_parallel_size=1, use_distributed_optimizer=True, recompute="none", seed=None,
+                          param_offload=False, optimizer_offload=False,
                           override_transformer_config=TransformerOverrides(moe_aux_loss_coeff=0.0,
                                                                            moe_z_loss_coeff=0.0))
 
@@ -338,7 +339,8 @@ class MppoConfig:
 ACTOR = "actor_rollout_ref.actor"
 MEGATRON_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "virtual_pipeline_model_parallel_size", "expert_model_parallel_size", "sequence_parallel",
-                 "use_distributed_optimizer", "recompute", "seed", "param_offload", "optimizer_offload",
+                 "context_parallel_size", "use_distributed_optimizer", "recompute", "seed", "param_offload",
+                 "optimizer_offload",
                  "override_transformer_config.moe_aux_loss_coeff", "override_transformer_config.moe_z_loss_coeff")
 
 # key -> parent key: a null key takes its parent's (resolved) value. critic.enable is resolved separately

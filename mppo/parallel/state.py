@@ -1,7 +1,9 @@
 """Process groups: torch.distributed from the torchrun environment, then megatron's parallel_state.
 
-Every rank runs the same program (SPMD). The layout is TP x PP x DP with DP = world / (TP x PP), in megatron's
-default rank order (TP fastest, then DP, then PP). Expert parallelism (EP, MoE models) splits each MoE layer's
+Every rank runs the same program (SPMD). The layout is TP x CP x DP x PP with DP = world / (TP x CP x PP), in
+megatron's default rank order (tp-cp-ep-dp-pp: TP fastest, then CP, then DP, then PP). Context parallelism (CP)
+splits each sequence over CP ranks that hold the same rows (one data shard per DP rank, as megatron: its
+data-parallel rank leaves CP out, and DDP reduces gradients over DP x CP). Expert parallelism (EP, MoE models) splits each MoE layer's
 experts over EP ranks taken from the DP dimension: the experts' layout is expert-TP (= TP) x EP x expert-DP x PP
 with expert-DP = DP / EP, megatron's expert-model-parallel and expert-data-parallel groups. Without a torchrun
 environment the process runs alone as a world of one, which is what `mppo convert` and small scripts use.
@@ -46,6 +48,8 @@ class ParallelDims:
     device: torch.device  # where this rank's tensors live
     ep: int = 1  # expert parallel size: ranks sharing one MoE layer's experts (a divisor of dp)
     ep_rank: int = 0
+    cp: int = 1  # context parallel size: ranks splitting each sequence (2 x cp load-balanced chunks)
+    cp_rank: int = 0
 
     @property
     def expert_dp(self) -> int:
@@ -65,6 +69,7 @@ class ParallelDims:
                 f"tp {self.tp_rank}/{self.tp} pp {self.pp_rank}/{self.pp} dp {self.dp_rank}/{self.dp}"
                 + (f" vpp {self.vpp}" if self.vpp else "")
                 + (f" ep {self.ep_rank}/{self.ep}" if self.ep > 1 else "")
+                + (f" cp {self.cp_rank}/{self.cp}" if self.cp > 1 else "")
                 # torchrun's node (group) and local rank: which node a rank is on when hostnames repeat
                 + f" node {os.environ.get('GROUP_RANK', '0')} local {os.environ.get('LOCAL_RANK', '0')}")
 
@@ -72,17 +77,22 @@ class ParallelDims:
 _dims: ParallelDims | None = None
 
 
-def check_layout(world: int, tp: int, pp: int, vpp: int | None = None, ep: int = 1) -> int:
+def check_layout(world: int, tp: int, pp: int, vpp: int | None = None, ep: int = 1, cp: int = 1) -> int:
     """Validate a layout against a world size and return DP; raises ParallelLayoutError with the fix."""
-    if tp < 1 or pp < 1 or ep < 1:
-        raise ParallelLayoutError(f"tp, pp and ep must be >= 1, got tp={tp} pp={pp} ep={ep}")
-    if world % (tp * pp) != 0:
+    if tp < 1 or pp < 1 or ep < 1 or cp < 1:
+        raise ParallelLayoutError(f"tp, pp, ep and cp must be >= 1, got tp={tp} pp={pp} ep={ep} cp={cp}")
+    model = tp * pp * cp
+    if world % model != 0:
+        what = f"tp*pp = {tp}*{pp}" if cp == 1 else f"tp*pp*cp = {tp}*{pp}*{cp}"
         raise ParallelLayoutError(
-            f"world size {world} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; launch a multiple of "
-            f"{tp * pp} processes (torchrun --nproc_per_node ...) or change tp/pp")
+            f"world size {world} is not divisible by {what} = {model}; launch a multiple of "
+            f"{model} processes (torchrun --nproc_per_node ...) or change tp/pp{'/cp' if cp > 1 else ''}")
     if vpp is not None and vpp > 1 and pp < 2:
         raise ParallelLayoutError(f"virtual pipeline (vpp={vpp}) needs pp >= 2, got pp={pp}; drop vpp or raise pp")
-    dp = world // (tp * pp)
+    if ep > 1 and cp > 1:  # megatron takes EP ranks from DP x CP; mppo's MoE paths (R3, aux losses) are not CP-aware
+        raise ParallelLayoutError(f"expert parallelism (ep={ep}) with context parallelism (cp={cp}) is not "
+                                  "supported; use cp=1 for MoE models or ep=1")
+    dp = world // model
     if dp % ep != 0:  # megatron: world % (expert-TP x EP x PP) with expert-TP = TP
         raise ParallelLayoutError(
             f"ep={ep} does not divide the data-parallel size {dp} (world {world} / (tp*pp = {tp * pp})): the experts "
@@ -98,9 +108,9 @@ def _env_world() -> tuple[int, int, int]:
     return 0, 1, 0
 
 
-def init_distributed(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: int = 1, timeout_s: float = 1800.0,
-                     seed: int | None = 1234) -> ParallelDims:
-    """Start torch.distributed (once per process) and build megatron's TP/PP/DP groups (and with `ep` > 1 the
+def init_distributed(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: int = 1, cp: int = 1,
+                     timeout_s: float = 1800.0, seed: int | None = 1234) -> ParallelDims:
+    """Start torch.distributed (once per process) and build megatron's TP/CP/PP/DP groups (and with `ep` > 1 the
     expert-model-parallel and expert-data-parallel groups).
 
     nccl with CUDA, gloo (plus the megatron CPU compatibility layer) without it. Calling it again after
@@ -113,7 +123,7 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: in
     rank, world, local_rank = _env_world()
     if dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
-    dp = check_layout(world, tp, pp, vpp, ep)  # before any group is made (and before megatron's slow import)
+    dp = check_layout(world, tp, pp, vpp, ep, cp)  # before any group is made (and before megatron's slow import)
 
     from megatron.core import parallel_state
 
@@ -136,14 +146,15 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: in
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep, context_parallel_size=cp,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)))
     _dims = ParallelDims(
         tp=tp, pp=pp, vpp=vpp, dp=dp, world=world, rank=rank,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(), backend=backend, device=device,
-        ep=ep, ep_rank=parallel_state.get_expert_model_parallel_rank())
+        ep=ep, ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        cp=cp, cp_rank=parallel_state.get_context_parallel_rank())
     log.info("parallel layout: %s", _dims.describe())
     if seed is not None:
         seed_everything(seed)
