@@ -102,8 +102,10 @@ def response_logprobs(model: nn.Module, hidden: torch.Tensor, data: Batch, logpr
     if not bool(valid.any()):
         # no response token here (e.g. one row with an empty response): zeros, still attached to the hidden
         # states so that the pipeline's backward has a gradient to pass on
-        zeros = sum_over_cp(torch.zeros(valid.shape, dtype=torch.float32, device=hidden.device) + hidden.sum() * 0.0)
-        return zeros, (sum_over_cp(zeros.detach().clone()) if compute_entropy else None)
+        # (under CP other ranks may hold tokens of these rows: each grid is still summed with theirs)
+        def zeros() -> torch.Tensor:
+            return sum_over_cp(torch.zeros(valid.shape, dtype=torch.float32, device=hidden.device) + hidden.sum() * 0.0)
+        return zeros(), (zeros() if compute_entropy else None)
     selected = response_rows(hidden, data, valid_only=True)  # [N, h], N = valid response tokens
     labels = data["responses"][valid]
     log_probs, entropy = logprob_fn(selected, output_weight(model), labels, temperature=temperature,
