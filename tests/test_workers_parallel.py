@@ -193,6 +193,14 @@ def test_checkpoint_loads_at_another_layout(ranks):
     assert max(on_every_rank(ranks, "ckpt/plain_tp1_resume_pg_loss_diff")) <= 1e-5
 
 
+def test_context_parallel_checkpoints_resume_exactly_and_load_at_cp1(ranks):
+    assert on_every_rank(ranks, "ckpt/cp2_resume_weights_diff") == [0.0] * 4
+    assert all(on_every_rank(ranks, "ckpt/cp2_to_cp1_weights_bitwise"))  # the checkpoint is layout-free
+    assert max(on_every_rank(ranks, "ckpt/cp2_to_cp1_log_probs")) <= 1e-5
+    for err in on_every_rank(ranks, "ckpt/cp2_to_cp1_rng_error"):
+        assert "RNG states are per rank" in err and "cp 2 (checkpoint) vs 1" in err
+
+
 def test_mismatched_checkpoints_give_clear_errors(ranks):
     for err in on_every_rank(ranks, "ckpt/dist_to_tp1_error"):
         assert "CheckpointMismatchError" in err and "tp 2 (checkpoint) vs 1" in err and "load_optimizer=False" in err

@@ -490,6 +490,30 @@ class Cases:
         self.res["ckpt/missing_error"] = errors(lambda: load_worker_checkpoint(actor, self.work / "nowhere"))
         destroy()
 
+        # context parallelism: resume at CP2 x DP2 is bit-identical; the CP2 checkpoint loads at CP1 (TP1 DP4)
+        dims = init_distributed(1, 1, cp=2, seed=1234)
+        cfg = actor_config(1, 1, None, cp=2, micro=3)
+        actor = ActorWorker(ModelConfig(), cfg, dims, self.work / "actor", total_steps=4)
+        actor.update(full, temperature=TEMPERATURE)
+        path = self.work / "ckpt_cp2"
+        save_worker_checkpoint(actor, path, extra_state={})
+        saved_weights, lp_cp2 = exported(actor), actor.compute_log_prob(full, temperature=TEMPERATURE)
+        actor.update(full, temperature=TEMPERATURE)
+        again = ActorWorker(ModelConfig(), cfg, dims, self.work / "actor", total_steps=4)
+        load_worker_checkpoint(again, path)
+        again.update(full, temperature=TEMPERATURE)
+        self.res["ckpt/cp2_resume_weights_diff"] = max_state_diff(exported(again), exported(actor))
+        destroy()
+        dims = init_distributed(1, 1, seed=1234)
+        actor = ActorWorker(ModelConfig(), actor_config(1, 1, None), dims, self.work / "actor", total_steps=4)
+        self.res["ckpt/cp2_to_cp1_rng_error"] = errors(lambda: load_worker_checkpoint(actor, path,
+                                                                                       load_optimizer=False))
+        load_worker_checkpoint(actor, path, load_optimizer=False, load_rng=False)
+        self.res["ckpt/cp2_to_cp1_weights_bitwise"] = max_state_diff(exported(actor), saved_weights) == 0.0
+        self.res["ckpt/cp2_to_cp1_log_probs"] = (actor.compute_log_prob(full, temperature=TEMPERATURE)
+                                                 - lp_cp2).abs().max().item()
+        destroy()
+
 
 def run_cases(opts, res: dict) -> None:
     cases = Cases(opts.out / "work", res, int(os.environ["RANK"]))
