@@ -81,7 +81,7 @@ def test_scheduler_errors(optim, total, message):
 
 
 def _dims(**kw):
-    base = dict(tp=2, pp=1, vpp=None, dp=2, ep=1, device=torch.device("cpu"))
+    base = dict(tp=2, pp=1, vpp=None, dp=2, ep=1, cp=1, device=torch.device("cpu"))
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -93,6 +93,8 @@ def test_layout_must_match_the_process_groups():
     check_layout(MegatronConfig(), _dims(), "critic")  # unset: whatever the groups are
     with pytest.raises(ParallelLayoutError, match="critic.megatron.pipeline_model_parallel_size=2"):
         check_layout(MegatronConfig(pipeline_model_parallel_size=2), _dims(), "critic")
+    with pytest.raises(ParallelLayoutError, match="ref.megatron.context_parallel_size=2 but the process groups"):
+        check_layout(MegatronConfig(context_parallel_size=2), _dims(), "ref")
 
 
 def test_dtype_and_recompute_choices():
