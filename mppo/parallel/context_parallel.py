@@ -7,8 +7,9 @@ same work and memory.
 
 - `cp_positions` / `split_for_cp`: which natural positions a rank holds; the rank's slice of a tensor.
 - `natural_order`: the index that puts the ranks' slices, concatenated in rank order, back in natural order.
-- `gather_for_cp`: all-gather over CP (first dimension) into natural order; its backward reduce-scatters (each rank gets the sum over
-  ranks of the gradient at its own positions). For attention's K/V: every rank's queries read every rank's keys.
+- `gather_for_cp`: all-gather over CP (first dimension) into natural order; its backward reduce-scatters (each
+  rank gets the sum over ranks of the gradient at its own positions). For attention's K/V: every rank's queries
+  read every rank's keys.
 - `sum_over_cp`: all-reduce (sum) with an identity backward, for per-token outputs that each rank fills at its own
   tokens and leaves 0 elsewhere (a gather by sum: x + 0 is exact). Everything after it is computed identically on
   every CP rank, so each rank's gradient there is already the whole gradient; the rank's own entries (the only ones

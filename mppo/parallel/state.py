@@ -3,9 +3,10 @@
 Every rank runs the same program (SPMD). The layout is TP x CP x DP x PP with DP = world / (TP x CP x PP), in
 megatron's default rank order (tp-cp-ep-dp-pp: TP fastest, then CP, then DP, then PP). Context parallelism (CP)
 splits each sequence over CP ranks that hold the same rows (one data shard per DP rank, as megatron: its
-data-parallel rank leaves CP out, and DDP reduces gradients over DP x CP). Expert parallelism (EP, MoE models) splits each MoE layer's
-experts over EP ranks taken from the DP dimension: the experts' layout is expert-TP (= TP) x EP x expert-DP x PP
-with expert-DP = DP / EP, megatron's expert-model-parallel and expert-data-parallel groups. Without a torchrun
+data-parallel rank leaves CP out, and DDP reduces gradients over DP x CP). Expert parallelism (EP, MoE models)
+splits each MoE layer's experts over EP ranks taken from the DP dimension: the experts' layout is expert-TP (= TP)
+x EP x expert-DP x PP with expert-DP = DP / EP, megatron's expert-model-parallel and expert-data-parallel groups;
+EP with CP > 1 is refused. Without a torchrun
 environment the process runs alone as a world of one, which is what `mppo convert` and small scripts use.
 """
 from __future__ import annotations
