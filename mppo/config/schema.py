@@ -93,8 +93,9 @@ class MegatronConfig:
 def actor_megatron_defaults() -> MegatronConfig:
     return MegatronConfig(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                           virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
-                          context_parallel_size=1, use_distributed_optimizer=True, recompute="none", seed=None,
-                          param_offload=False, optimizer_offload=False,
+                          context_parallel_size=1,
+                          use_distributed_optimizer=True, recompute="none", seed=None, param_offload=False,
+                          optimizer_offload=False,
                           override_transformer_config=TransformerOverrides(moe_aux_loss_coeff=0.0,
                                                                            moe_z_loss_coeff=0.0))
 
@@ -339,8 +340,8 @@ class MppoConfig:
 ACTOR = "actor_rollout_ref.actor"
 MEGATRON_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "virtual_pipeline_model_parallel_size", "expert_model_parallel_size", "sequence_parallel",
-                 "context_parallel_size", "use_distributed_optimizer", "recompute", "seed", "param_offload",
-                 "optimizer_offload",
+                 "context_parallel_size",
+                 "use_distributed_optimizer", "recompute", "seed", "param_offload", "optimizer_offload",
                  "override_transformer_config.moe_aux_loss_coeff", "override_transformer_config.moe_z_loss_coeff")
 
 # key -> parent key: a null key takes its parent's (resolved) value. critic.enable is resolved separately
