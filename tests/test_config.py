@@ -374,6 +374,37 @@ def test_tp_times_pp_must_divide_the_world(role):
     assert message.startswith(f"{role}.megatron: TP x PP = 4 x 4 = 16 does not divide the world size 8")
 
 
+@pytest.mark.parametrize("role", [ACTOR, "critic", "actor_rollout_ref.ref"])
+def test_context_parallel_layouts_that_cannot_run_stop_in_one_line(role):
+    kl = [f"{ACTOR}.use_kl_loss=true"] if role.endswith("ref") else []
+    message = error_of(f"{role}.megatron.context_parallel_size=3", *kl)
+    assert message.startswith(f"{role}.megatron.context_parallel_size = 3: TP x PP x CP = 1 x 1 x 3 = 3 does not "
+                              "divide the world size 8")
+    message = error_of(f"{role}.megatron.context_parallel_size=2", f"{role}.megatron.tensor_model_parallel_size=2",
+                       f"{role}.megatron.pipeline_model_parallel_size=4", *kl)
+    assert message.startswith(f"{role}.megatron.context_parallel_size = 2: TP x PP x CP = 2 x 4 x 2 = 16 does not")
+    message = error_of(f"{role}.megatron.context_parallel_size=0", *kl)
+    assert message.startswith(f"{role}.megatron.context_parallel_size = 0: must be >= 1")
+    message = error_of(f"{role}.megatron.context_parallel_size=2", f"{role}.megatron.expert_model_parallel_size=2",
+                       *kl)
+    assert message.startswith(f"{role}.megatron.context_parallel_size = 2: context parallelism is not supported "
+                              "with expert parallelism")
+    message = error_of(f"{role}.megatron.context_parallel_size=2", "actor_rollout_ref.model.transformer_impl=local",
+                       *kl)
+    assert message.startswith(f"{role}.megatron.context_parallel_size = 2: megatron's local attention")
+
+
+def test_context_parallel_takes_ranks_from_data_parallelism_and_is_inherited():
+    cfg = load(f"{ACTOR}.megatron.context_parallel_size=2", f"{ACTOR}.megatron.tensor_model_parallel_size=2")
+    assert cfg.critic.megatron.context_parallel_size == 2  # null: the actor's
+    assert cfg.actor_rollout_ref.ref.megatron.context_parallel_size == 2
+    assert load().actor_rollout_ref.actor.megatron.context_parallel_size == 1
+    # DP = 8 / (TP 2 x CP 2) = 2: a mini-batch of 3 prompts x n=1 does not split over 2 DP ranks
+    message = error_of(f"{ACTOR}.megatron.context_parallel_size=2", f"{ACTOR}.megatron.tensor_model_parallel_size=2",
+                       "data.train_batch_size=3", f"{ACTOR}.ppo_mini_batch_size=3")
+    assert message.endswith("does not split over DP = 2 ranks; make ppo_mini_batch_size x rollout.n a multiple of 2")
+
+
 def test_unused_ref_and_critic_layouts_are_not_checked():
     load("actor_rollout_ref.ref.megatron.tensor_model_parallel_size=3")  # no KL: no reference model
     load("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",

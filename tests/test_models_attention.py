@@ -53,6 +53,14 @@ def test_sdpa_runs_the_cpu_flash_kernel(res):
         assert res[f"dispatch/{case}/kv_unchanged"], case
 
 
+def test_context_parallel_query_chunk_is_lower_right_causal(res):
+    """A CP rank's query chunk (natural positions 20..31) against all keys: each query sees the keys up to its own
+    position, the same in one SDPA call and in CPU blocks of 5 queries (bounded mask memory); outputs and grads."""
+    for case in ("one_call", "blocks_of_5"):
+        assert res[f"cp_chunk/{case}_vs_naive"] <= RTOL, case
+        assert res[f"cp_chunk/{case}_grads_vs_naive"] <= RTOL, case
+
+
 def test_sdpa_refuses_what_it_does_not_compute(res):
     assert res["errors/uneven_causal"].startswith("ValueError: causal SDPA attention needs as many queries")
     assert "not packed sequences; use transformer_impl=te" in res["errors/packed"]

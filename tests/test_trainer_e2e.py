@@ -1,5 +1,5 @@
 """End to end on CPU under torchrun: PPO (GAE + critic) and GRPO with TP=2 and PP=2, layout invariance of the
-first step, and resume. Each run is the real CLI (`torchrun -m mppo train configs/demo_cpu.yaml ...`)."""
+first step (also at CP=2), and resume. Each run is the real CLI (`torchrun -m mppo train configs/demo_cpu.yaml ...`)."""
 from __future__ import annotations
 
 import os
@@ -33,14 +33,19 @@ def train(world: int, overrides: list[str], timeout: float = 600) -> subprocess.
 
 
 def test_ppo_gae_layouts_agree_and_tp2_pp2_trains(assets, tmp_path):
-    """Same seed ⇒ the same step-1 metrics at TP1×PP1 (1 rank) and TP2×PP2 (4 ranks); 3 steps run at TP2×PP2."""
-    single, parallel = tmp_path / "tp1", tmp_path / "tp2pp2"
+    """Same seed ⇒ the same step-1 metrics at TP1×PP1 (1 rank), TP2×PP2 (4 ranks) and context parallelism CP2
+    (2 ranks, SDPA attention: the demo's local attention has no CP); 3 steps run at TP2×PP2."""
+    single, parallel, context = tmp_path / "tp1", tmp_path / "tp2pp2", tmp_path / "cp2"
     train(1, tiny_overrides(assets, single, world=1, steps=1) + dense_reward(assets))
     train(4, tiny_overrides(assets, parallel, world=4, tp=2, pp=2, steps=3) + dense_reward(assets))
-    a, b = step_metrics(single), step_metrics(parallel)
+    train(2, tiny_overrides(assets, context, world=2, steps=1) + dense_reward(assets)
+          + ["actor_rollout_ref.actor.megatron.context_parallel_size=2",
+             "actor_rollout_ref.model.transformer_impl=sdpa"])
+    a, b, c = step_metrics(single), step_metrics(parallel), step_metrics(context)
     assert all(a[1][key] != 0 for key in ("critic/score/mean", "actor/grad_norm", "critic/vf_loss"))
     for key in STEP1_KEYS:
         assert b[1][key] == pytest.approx(a[1][key], rel=1e-4, abs=1e-5), key
+        assert c[1][key] == pytest.approx(a[1][key], rel=1e-4, abs=1e-5), f"cp2 {key}"
     assert a[0]["val/test_score/countdown"] == b[0]["val/test_score/countdown"]
     assert sorted(b) == [0, 1, 2, 3]
     for step in (1, 2, 3):

@@ -81,7 +81,7 @@ def test_scheduler_errors(optim, total, message):
 
 
 def _dims(**kw):
-    base = dict(tp=2, pp=1, vpp=None, dp=2, ep=1, expert_tp=2, device=torch.device("cpu"))
+    base = dict(tp=2, pp=1, vpp=None, dp=2, ep=1, expert_tp=2, cp=1, device=torch.device("cpu"))
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -96,6 +96,8 @@ def test_layout_must_match_the_process_groups():
     check_layout(MegatronConfig(expert_tensor_parallel_size=1), _dims(expert_tp=1), "actor")
     with pytest.raises(ParallelLayoutError, match="actor.megatron.expert_tensor_parallel_size=1 but the process groups"):
         check_layout(MegatronConfig(expert_tensor_parallel_size=1), _dims(), "actor")
+    with pytest.raises(ParallelLayoutError, match="ref.megatron.context_parallel_size=2 but the process groups"):
+        check_layout(MegatronConfig(context_parallel_size=2), _dims(), "ref")
 
 
 def test_dtype_and_recompute_choices():

@@ -1,6 +1,7 @@
-"""Actor, critic and reference workers at TP2xPP2, TP2, PP2, TP1 (DP4) and interleaved PP (4 CPU ranks; TP2 with
-sequence parallelism, megatron.sequence_parallel's default there, and once without) against
-plain-torch references: HF transformers log-probs/values, core_algos losses, torch.optim.AdamW.
+"""Actor, critic and reference workers at TP2xPP2, TP2, PP2, TP1 (DP4), interleaved PP and context parallelism
+(CP2 x DP2, CP2 x TP2 with SP, CP2 x PP2) (4 CPU ranks; TP2 with sequence parallelism,
+megatron.sequence_parallel's default there, and once without) against plain-torch references: HF transformers
+log-probs/values, core_algos losses, torch.optim.AdamW.
 
 One torchrun launch (tests/dist/workers_parallel.py) runs every case; each test asserts on one family of results
 from all ranks. The batch has prompts and responses of different lengths and one empty response, and DP ranks
@@ -17,7 +18,9 @@ from dist_util import on_every_rank, run_cases, run_torchrun
 SCRIPT = Path(__file__).parent / "dist" / "workers_parallel.py"
 LOGPROB_ATOL = 1e-4
 WEIGHT_ATOL = 1e-5
-ACTOR_LAYOUTS = ("tp2pp2", "tp1pp1", "tp2pp1", "tp1pp2", "tp1pp2vpp2")
+ACTOR_LAYOUTS = ("tp2pp2", "tp1pp1", "tp2pp1", "tp1pp2", "tp1pp2vpp2", "tp1pp1cp2", "tp2pp1cp2", "tp1pp2cp2")
+CP_LAYOUTS = tuple(layout for layout in ACTOR_LAYOUTS if "cp" in layout)
+CRITIC_LAYOUTS = ("tp2pp2", "tp1pp1", "tp1pp1cp2")
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +39,16 @@ def test_actor_log_probs_and_entropy_match_hf(ranks, layout):
     for what in ("log_probs_vs_hf", "entropy_vs_hf"):
         worst = max(on_every_rank(ranks, f"{layout}/{what}"))
         assert worst <= LOGPROB_ATOL, f"{layout} {what}: {worst}"
+
+
+@pytest.mark.parametrize("layout", CP_LAYOUTS)
+def test_context_parallel_log_probs_equal_hf_and_cp1(ranks, layout):
+    """fp32: each CP rank computes its load-balanced chunks' tokens; the micro-batches (one row each, rows of 1 to 13
+    tokens, padded to a multiple of 2*CP, x TP under SP) have ranks with no response token at all. The CP2 run on
+    the whole batch in 3-row micro-batches equals the CP1 (TP1 DP4) run; token-budget micro-batches equal count."""
+    for what in ("log_probs_vs_hf", "entropy_vs_hf", "log_probs_vs_cp1", "entropy_vs_cp1", "token_budget_vs_count"):
+        worst = max(on_every_rank(ranks, f"{layout}/{what}"))
+        assert worst <= 1e-5, f"{layout} {what}: {worst}"
 
 
 def test_log_prob_paths_agree(ranks):
@@ -98,7 +111,7 @@ def test_inf_gradient_on_one_rank_skips_the_step_everywhere(ranks):
     assert all(on_every_rank(ranks, "inf_grad/adam_steps_unchanged"))
 
 
-@pytest.mark.parametrize("layout", ("tp2pp2", "tp1pp1"))
+@pytest.mark.parametrize("layout", CRITIC_LAYOUTS)
 def test_critic_values_and_update_match_reference(ranks, layout):
     key = f"critic/{layout}"
     assert max(on_every_rank(ranks, f"{key}/values_vs_hf")) <= LOGPROB_ATOL
@@ -113,7 +126,8 @@ def test_critic_values_after_update_equal_across_layouts(ranks):
 
     a = np.array(ranks[0]["critic/tp2pp2/values_after"])
     for r in ranks:
-        assert np.abs(np.array(r["critic/tp1pp1/values_after"]) - a).max() <= 1e-5
+        for layout in ("tp1pp1", "tp1pp1cp2"):
+            assert np.abs(np.array(r[f"critic/{layout}/values_after"]) - a).max() <= 1e-5, layout
 
 
 def test_update_metrics_make_no_host_read_per_micro_batch(ranks):
@@ -177,6 +191,14 @@ def test_checkpoint_loads_at_another_layout(ranks):
     # the non-distributed optimizer reshards: step 2 resumed at TP1 equals step 2 at TP2xPP2
     assert max(on_every_rank(ranks, "ckpt/plain_tp1_resume_weights_diff")) <= WEIGHT_ATOL
     assert max(on_every_rank(ranks, "ckpt/plain_tp1_resume_pg_loss_diff")) <= 1e-5
+
+
+def test_context_parallel_checkpoints_resume_exactly_and_load_at_cp1(ranks):
+    assert on_every_rank(ranks, "ckpt/cp2_resume_weights_diff") == [0.0] * 4
+    assert all(on_every_rank(ranks, "ckpt/cp2_to_cp1_weights_bitwise"))  # the checkpoint is layout-free
+    assert max(on_every_rank(ranks, "ckpt/cp2_to_cp1_log_probs")) <= 1e-5
+    for err in on_every_rank(ranks, "ckpt/cp2_to_cp1_rng_error"):
+        assert "RNG states are per rank" in err and "cp 2 (checkpoint) vs 1" in err
 
 
 def test_mismatched_checkpoints_give_clear_errors(ranks):

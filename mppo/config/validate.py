@@ -154,7 +154,7 @@ def _world(cfg: MppoConfig, world_size: int | None) -> tuple[int, str]:
 
 SHARED_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                       "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
-                      "expert_tensor_parallel_size")
+                      "expert_tensor_parallel_size", "context_parallel_size")
 
 
 def check_shared_layout(cfg: MppoConfig) -> None:
@@ -207,12 +207,18 @@ def _warn_inert_ref_keys(cfg: MppoConfig) -> None:
 
 
 def _data_parallel_size(cfg: MppoConfig, role: str, world: int, world_text: str) -> int:
-    """DP of `role` after checking that its TP x PP layout fits the world and EP divides DP."""
+    """DP of `role` after checking that its TP x PP x CP layout fits the world and EP divides DP."""
     m = f"{role}.megatron"
     tp, pp = get_key(cfg, f"{m}.tensor_model_parallel_size"), get_key(cfg, f"{m}.pipeline_model_parallel_size")
-    if world % (tp * pp):
+    cp = get_key(cfg, f"{m}.context_parallel_size")
+    if cp < 1:
+        raise _fail(f"{m}.context_parallel_size", cp, "must be >= 1", "use 1 (no context parallelism) or more")
+    if cp == 1 and world % (tp * pp):
         raise ConfigError(f"{m}: TP x PP = {tp} x {pp} = {tp * pp} does not divide the world size {world} "
                           f"({world_text}); choose tensor/pipeline sizes whose product divides {world}")
+    if world % (tp * pp * cp):
+        raise _fail(f"{m}.context_parallel_size", cp, f"TP x PP x CP = {tp} x {pp} x {cp} = {tp * pp * cp} does not "
+                    f"divide the world size {world} ({world_text})", f"choose sizes whose product divides {world}")
     vpp = get_key(cfg, f"{m}.virtual_pipeline_model_parallel_size")
     if vpp is not None and pp < 2:
         raise _fail(f"{m}.virtual_pipeline_model_parallel_size", vpp, "interleaving needs pipeline parallelism",
@@ -220,7 +226,13 @@ def _data_parallel_size(cfg: MppoConfig, role: str, world: int, world_text: str)
     if get_key(cfg, f"{m}.sequence_parallel") and tp < 2:
         raise _fail(f"{m}.sequence_parallel", True, "sequence parallelism splits the sequence over the TP ranks, and "
                     "TP is 1", f"set {m}.tensor_model_parallel_size > 1, or sequence_parallel=null (on iff TP > 1)")
-    dp, ep = world // (tp * pp), get_key(cfg, f"{m}.expert_model_parallel_size")
+    dp, ep = world // (tp * pp * cp), get_key(cfg, f"{m}.expert_model_parallel_size")
+    if cp > 1 and ep > 1:
+        raise _fail(f"{m}.context_parallel_size", cp, f"context parallelism is not supported with expert parallelism "
+                    f"(expert_model_parallel_size = {ep}; MoE models run at CP 1)", f"set {m}.context_parallel_size=1")
+    if cp > 1 and cfg.actor_rollout_ref.model.transformer_impl == "local":
+        raise _fail(f"{m}.context_parallel_size", cp, "megatron's local attention (transformer_impl=local) has no "
+                    "context parallelism", "use actor_rollout_ref.model.transformer_impl=auto, sdpa or te")
     etp = get_key(cfg, f"{m}.expert_tensor_parallel_size")
     if etp is None or etp == tp:
         if dp % ep:  # megatron takes the EP ranks from the data-parallel ones

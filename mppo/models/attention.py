@@ -16,8 +16,27 @@ Grouped-query attention uses SDPA's `enable_gqa` (no repeated K/V copies) where 
 only the fp16/bf16 flash kernel does, other inputs (fp32, a mask) get K/V repeated to the query heads so that the
 memory-efficient or cuDNN kernel runs instead of the math one (`kv_for_fused_kernel`).
 
+Context parallelism (CP > 1): each rank holds 2 of the sequence's 2·CP load-balanced chunks (chunks r and
+2·CP-1-r, `mppo.parallel.context_parallel`; megatron's split, which its RotaryEmbedding applies to the rotary
+angles too, so positions are right without position ids). K and V are all-gathered over the CP group into natural
+order and the backward reduce-scatters dK/dV (`gather_for_cp`); each local query chunk j then attends to the keys
+up to its own end, (j+1)·s/(2·CP), with lower-right causal alignment (torch's `causal_lower_right`).
+Why an all-gather and not a ring (ring attention passing K/V blocks round the CP ranks): with grouped-query
+attention K/V are a fraction of the activations (Qwen2.5-7B: 4 of 28 heads), so gathering them whole costs little
+memory (2·s·groups·head_dim per layer, kept for the backward) and one collective per layer instead of CP-1 steps
+whose overlap needs streams; the masks stay exact and simple (a prefix of the keys plus the diagonal block), with
+no partial softmaxes to merge, so the result is SDPA's own. Llama 3's training and megatron's `all_gather`
+cp_comm_type make the same choice. The cost is that the K/V all-gather is not overlapped with compute.
+On CUDA the flash / memory-efficient kernels take the lower-right mask without materialising it. The CPU kernel
+materialises it ([queries, keys] booleans, then a float copy), so on CPU the queries go in blocks of at most
+`CPU_MASK_ELEMENTS` mask entries. Measured for the last chunk at 32k tokens and CP2 (8k queries against 32k keys,
+4 heads of 16, 2 K/V groups): peak memory of the chunk's attention 1286 MiB in one call, 30 MiB in blocks.
+Under CP only causal (or unmasked) attention without an explicit mask is covered, which is what mppo passes.
+With `transformer_impl=te` Transformer Engine's own CP runs instead (cp_comm_type from the TransformerConfig,
+mppo.models.builders sets all_gather); that path needs CUDA and is not exercised by the CPU tests.
+
 Not covered (each raises): packed THD sequences (`packed_seq_params`), attention bias, sliding windows, non-vanilla
-softmax, context parallelism. Those need Transformer Engine's attention (`transformer_impl=te`).
+softmax, explicit masks under context parallelism. Those need Transformer Engine's attention (`transformer_impl=te`).
 """
 from __future__ import annotations
 
@@ -28,6 +47,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
+from torch.nn.attention.bias import causal_lower_right
 from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -36,7 +56,11 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
+from mppo.parallel.context_parallel import gather_for_cp
+
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
+# Under CP on CPU: most entries of a materialised lower-right mask per SDPA call (a bool and a float copy, ~20 MiB)
+CPU_MASK_ELEMENTS = 1 << 22
 
 
 def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
@@ -74,16 +98,15 @@ class SDPAttention(MegatronModule):
                  softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
                  pg_collection: Optional[ProcessGroupCollection] = None):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise NotImplementedError("SDPA attention has no context parallelism; use transformer_impl=te")
         if config.softmax_type != "vanilla":
             raise NotImplementedError(f"SDPA attention has no softmax_type={config.softmax_type!r}; "
                                       "use transformer_impl=te or local")
         if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
             raise NotImplementedError("SDPA attention has no sliding-window attention; use transformer_impl=te")
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.tp_group = pg_collection.tp  # MegatronModule.sharded_state_dict reads it
+        self.cp_group = pg_collection.cp if config.context_parallel_size > 1 else None
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         head_dim = config.kv_channels
@@ -105,6 +128,8 @@ class SDPAttention(MegatronModule):
         sq, b, heads, head_dim = query.shape
         sk = key.shape[0]
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if self.cp_group is not None:
+            return self._context_parallel(query, key, value, attention_mask, mask_type in _CAUSAL_TYPES)
         causal = mask_type in _CAUSAL_TYPES and sq > 1  # sq == 1: one query against a KV cache sees all keys
         if causal and sq != sk:
             raise ValueError(f"causal SDPA attention needs as many queries as keys, got {sq} and {sk}")
@@ -131,3 +156,50 @@ class SDPAttention(MegatronModule):
         # [b, h, sq, d] -> [sq, b, h * d]
         return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
 
+    def _context_parallel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: Optional[torch.Tensor], causal: bool) -> torch.Tensor:
+        """This rank's two query chunks against the CP-gathered keys (see the module docstring)."""
+        if attention_mask is not None:
+            raise NotImplementedError("SDPA attention under context parallelism takes no explicit mask (mppo passes "
+                                      "none: right-padded rows, causal layers); use transformer_impl=te")
+        if query.shape[0] != key.shape[0]:
+            raise ValueError(f"context-parallel attention needs as many local queries as keys, got {query.shape[0]} "
+                             f"and {key.shape[0]}")
+        sq, b, heads, head_dim = query.shape
+        cp, rank = self.cp_group.size(), self.cp_group.rank()
+        chunk = sq // 2
+        # [s, b, g, d] in natural order -> [b, g, s, d]
+        k, v = (gather_for_cp(t, self.cp_group).permute(1, 2, 0, 3) for t in (key, value))
+        q = query.permute(1, 2, 0, 3)
+        dropout_p = self.dropout_p if self.training else 0.0
+        outs = []
+        with tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
+            for i, j in enumerate((rank, 2 * cp - 1 - rank)):  # local chunk i is natural chunk j
+                q_chunk = q[:, :, i * chunk:(i + 1) * chunk]
+                if causal:
+                    outs.append(self._causal_chunk(q_chunk, k, v, j * chunk, dropout_p))
+                else:
+                    outs.append(self._sdpa(q_chunk, k, v, None, dropout_p, False))
+        # [b, h, sq, d] -> [sq, b, h * d]
+        return torch.cat(outs, dim=2).permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+
+    def _causal_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                      dropout_p: float) -> torch.Tensor:
+        """Queries at natural positions start.. against keys 0..(their position): lower-right causal attention of
+        each query block to the keys up to the block's end."""
+        rows = q.shape[2]
+        block = rows if q.is_cuda else max(1, min(rows, CPU_MASK_ELEMENTS // (start + rows)))
+        outs = []
+        for first in range(0, rows, block):
+            q_block = q[:, :, first:first + block]
+            end = start + first + q_block.shape[2]
+            mask = causal_lower_right(q_block.shape[2], end) if end > q_block.shape[2] else None
+            outs.append(self._sdpa(q_block, k[:, :, :end], v[:, :, :end], mask, dropout_p, mask is None))
+        return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout_p: float,
+              is_causal: bool) -> torch.Tensor:
+        # the kernel constraints of a lower-right causal mask are those of is_causal (no mask tensor)
+        k, v = kv_for_fused_kernel(q, k, v, None, dropout_p, is_causal or mask is not None)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                              scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mppo.models.hf_config import HFModelArgs, gpt_model_kwargs, read_hf_config, transformer_config_kwargs
-from mppo.models.spec import TransformerImpl, gpt_decoder_spec
+from mppo.models.spec import TransformerImpl, gpt_decoder_spec, resolve_transformer_impl
 from mppo.models.vocab import padded_vocab_size
 from mppo.parallel import ParallelDims, ParallelLayoutError
 
@@ -63,6 +63,9 @@ def build_transformer_config(args: HFModelArgs, dims: ParallelDims, *, dtype: to
             f"that divides {args.num_experts}")
     if not args.is_moe and dims.ep > 1:
         raise ParallelLayoutError(f"ep={dims.ep} needs a MoE model, this {args.model_type} model is dense; use ep=1")
+    if dims.cp > 1 and args.is_moe:
+        raise ParallelLayoutError(f"context parallelism (cp={dims.cp}) is not supported for MoE models (routing "
+                                  "replay and the router losses are not split over CP ranks); use cp=1")
     chunks = dims.pp * dims.num_model_chunks
     if args.num_layers % chunks != 0:
         raise ParallelLayoutError(
@@ -74,6 +77,10 @@ def build_transformer_config(args: HFModelArgs, dims: ParallelDims, *, dtype: to
         pipeline_model_parallel_size=dims.pp,
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.expert_tp,
+        context_parallel_size=dims.cp,
+        # Transformer Engine's CP (transformer_impl=te): all-gathered K/V, as mppo's SDPA attention does (small under
+        # grouped-query attention, exact causal masks); TE's default would be the p2p ring
+        cp_comm_type="all_gather" if dims.cp > 1 else None,
         virtual_pipeline_model_parallel_size=dims.vpp,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -115,6 +122,9 @@ def build_gpt_model(hf: HFModelArgs | str | Path, dims: ParallelDims, *, role: R
     vocab = padded_vocab_size(args.vocab_size, dims.tp, make_vocab_size_divisible_by)
     tie = args.tie_word_embeddings and role != "critic"
 
+    if dims.cp > 1 and resolve_transformer_impl(transformer_impl) == "local":
+        raise ParallelLayoutError(f"context parallelism (cp={dims.cp}) needs transformer_impl=sdpa or te: megatron's "
+                                  "local DotProductAttention has none")
     chunks: list[nn.Module] = []
     for vp_stage in range(dims.num_model_chunks):
         vp = vp_stage if dims.vpp else None

@@ -47,12 +47,15 @@ def _is_cuda_device(device: Any) -> bool:
 
 
 class _CudaDeviceToCpuMode(TorchFunctionMode):
-    """Rewrites CUDA device arguments to CPU and makes `Tensor.cuda()` a no-op."""
+    """Rewrites CUDA device arguments to CPU, makes `Tensor.cuda()` a no-op and drops `pin_memory=True` (host
+    memory pinned for CUDA copies; CPU-only torch has no allocator for it)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = torch.device("cpu")
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
@@ -333,6 +336,8 @@ PATCHES: tuple[CpuPatch, ...] = (
             "pipeline_parallel/p2p_communication.py: recv buffers and shape tensors on current_device()",
             "distributed/param_and_grad_buffer.py: grad/param buffers on current_device(), device='cuda'",
             "optimizer/optimizer.py, optimizer/clip_grads.py: found_inf, norms, dummy buffers on 'cuda'",
+            "models/common/embeddings/rope_utils.py get_pos_emb_on_this_cp_rank (context parallelism): "
+            "torch.tensor(..., pin_memory=True).cuda(non_blocking=True)",
         ),
         _push_mode(_CudaDeviceToCpuMode),
     ),

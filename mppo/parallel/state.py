@@ -1,11 +1,14 @@
 """Process groups: torch.distributed from the torchrun environment, then megatron's parallel_state.
 
-Every rank runs the same program (SPMD). The layout is TP x PP x DP with DP = world / (TP x PP), in megatron's
-default rank order (TP fastest, then DP, then PP). Expert parallelism (EP, MoE models) splits each MoE layer's
-experts over EP ranks: the experts' layout is expert-TP x EP x expert-DP x PP over the same ranks, megatron's
-expert-tensor, expert-model-parallel and expert-data-parallel groups. With expert-TP = TP (the default) the EP ranks
-come from the DP dimension (expert-DP = DP / EP); with expert-TP 1 at TP 2 and EP 2 the experts are whole and split
-over the two TP ranks, while attention stays TP-sharded. Without a torchrun
+Every rank runs the same program (SPMD). The layout is TP x CP x DP x PP with DP = world / (TP x CP x PP), in
+megatron's default rank order (tp-cp-ep-dp-pp: TP fastest, then CP, then DP, then PP). Context parallelism (CP)
+splits each sequence over CP ranks that hold the same rows (one data shard per DP rank, as megatron: its
+data-parallel rank leaves CP out, and DDP reduces gradients over DP x CP). Expert parallelism (EP, MoE models)
+splits each MoE layer's experts over EP ranks: the experts' layout is expert-TP x EP x expert-DP x PP over the same
+ranks, megatron's expert-tensor, expert-model-parallel and expert-data-parallel groups. With expert-TP = TP (the
+default) the EP ranks come from the DP dimension (expert-DP = DP / EP); with expert-TP 1 at TP 2 and EP 2 the
+experts are whole and split over the two TP ranks, while attention stays TP-sharded. EP with CP > 1 is refused.
+Without a torchrun
 environment the process runs alone as a world of one, which is what `mppo convert` and small scripts use.
 """
 from __future__ import annotations
@@ -50,6 +53,8 @@ class ParallelDims:
     ep_rank: int = 0
     etp: int | None = None  # expert tensor parallel size: ranks sharding each routed expert; None: tp
     etp_rank: int = 0
+    cp: int = 1  # context parallel size: ranks splitting each sequence (2 x cp load-balanced chunks)
+    cp_rank: int = 0
 
     @property
     def expert_tp(self) -> int:
@@ -75,6 +80,7 @@ class ParallelDims:
                 + (f" vpp {self.vpp}" if self.vpp else "")
                 + (f" ep {self.ep_rank}/{self.ep}" if self.ep > 1 else "")
                 + (f" etp {self.etp_rank}/{self.expert_tp}" if self.expert_tp != self.tp else "")
+                + (f" cp {self.cp_rank}/{self.cp}" if self.cp > 1 else "")
                 # torchrun's node (group) and local rank: which node a rank is on when hostnames repeat
                 + f" node {os.environ.get('GROUP_RANK', '0')} local {os.environ.get('LOCAL_RANK', '0')}")
 
@@ -82,17 +88,24 @@ class ParallelDims:
 _dims: ParallelDims | None = None
 
 
-def check_layout(world: int, tp: int, pp: int, vpp: int | None = None, ep: int = 1, etp: int | None = None) -> int:
+def check_layout(world: int, tp: int, pp: int, vpp: int | None = None, ep: int = 1, etp: int | None = None,
+                 cp: int = 1) -> int:
     """Validate a layout against a world size and return DP; raises ParallelLayoutError with the fix."""
-    if tp < 1 or pp < 1 or ep < 1 or (etp is not None and etp < 1):
-        raise ParallelLayoutError(f"tp, pp, ep and etp must be >= 1, got tp={tp} pp={pp} ep={ep} etp={etp}")
-    if world % (tp * pp) != 0:
+    if tp < 1 or pp < 1 or ep < 1 or cp < 1 or (etp is not None and etp < 1):
+        raise ParallelLayoutError(f"tp, pp, ep, etp and cp must be >= 1, got tp={tp} pp={pp} ep={ep} etp={etp} "
+                                  f"cp={cp}")
+    model = tp * pp * cp
+    if world % model != 0:
+        what = f"tp*pp = {tp}*{pp}" if cp == 1 else f"tp*pp*cp = {tp}*{pp}*{cp}"
         raise ParallelLayoutError(
-            f"world size {world} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; launch a multiple of "
-            f"{tp * pp} processes (torchrun --nproc_per_node ...) or change tp/pp")
+            f"world size {world} is not divisible by {what} = {model}; launch a multiple of "
+            f"{model} processes (torchrun --nproc_per_node ...) or change tp/pp{'/cp' if cp > 1 else ''}")
     if vpp is not None and vpp > 1 and pp < 2:
         raise ParallelLayoutError(f"virtual pipeline (vpp={vpp}) needs pp >= 2, got pp={pp}; drop vpp or raise pp")
-    dp = world // (tp * pp)
+    if ep > 1 and cp > 1:  # megatron takes EP ranks from DP x CP; mppo's MoE paths (R3, aux losses) are not CP-aware
+        raise ParallelLayoutError(f"expert parallelism (ep={ep}) with context parallelism (cp={cp}) is not "
+                                  "supported; use cp=1 for MoE models or ep=1")
+    dp = world // model
     if etp not in (None, tp):
         return _check_expert_layout(world, tp, pp, ep, etp, dp)
     if dp % ep != 0:  # megatron: world % (expert-TP x EP x PP) with expert-TP = TP
@@ -127,8 +140,8 @@ def _env_world() -> tuple[int, int, int]:
 
 
 def init_distributed(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: int = 1, etp: int | None = None,
-                     timeout_s: float = 1800.0, seed: int | None = 1234) -> ParallelDims:
-    """Start torch.distributed (once per process) and build megatron's TP/PP/DP groups (and with `ep` > 1 the
+                     cp: int = 1, timeout_s: float = 1800.0, seed: int | None = 1234) -> ParallelDims:
+    """Start torch.distributed (once per process) and build megatron's TP/CP/PP/DP groups (and with `ep` > 1 the
     expert-model-parallel and expert-data-parallel groups; `etp`: the expert-tensor-parallel size, None = tp).
 
     nccl with CUDA, gloo (plus the megatron CPU compatibility layer) without it. Calling it again after
@@ -142,7 +155,7 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: in
     rank, world, local_rank = _env_world()
     if dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
-    dp = check_layout(world, tp, pp, vpp, ep, etp)  # before any group is made (and before megatron's slow import)
+    dp = check_layout(world, tp, pp, vpp, ep, etp, cp)  # before any group is made (and before megatron's slow import)
 
     from megatron.core import parallel_state
 
@@ -166,6 +179,7 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: in
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        context_parallel_size=cp,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)))
     _dims = ParallelDims(
         tp=tp, pp=pp, vpp=vpp, dp=dp, world=world, rank=rank,
@@ -173,7 +187,8 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: int | None = None, *, ep: in
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(), backend=backend, device=device,
         ep=ep, ep_rank=parallel_state.get_expert_model_parallel_rank(), etp=etp,
-        etp_rank=parallel_state.get_expert_tensor_parallel_rank())
+        etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+        cp=cp, cp_rank=parallel_state.get_context_parallel_rank())
     log.info("parallel layout: %s", _dims.describe())
     if seed is not None:
         seed_everything(seed)

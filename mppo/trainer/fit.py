@@ -85,7 +85,7 @@ class PPOTrainer:
         self.faults = faults.from_env()  # None unless MPPO_FAULT is set (tests)
         self.dims = init_distributed(mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size,
                                      mcfg.virtual_pipeline_model_parallel_size, ep=mcfg.expert_model_parallel_size,
-                                     etp=mcfg.expert_tensor_parallel_size,
+                                     etp=mcfg.expert_tensor_parallel_size, cp=mcfg.context_parallel_size,
                                      timeout_s=process_group_timeout_s(cfg.trainer.collective_timeout_s),
                                      seed=mcfg.seed)
         self.device, self.is_main = torch.device(self.dims.device), self.dims.rank == 0

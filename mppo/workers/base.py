@@ -38,7 +38,8 @@ def check_layout(megatron: MegatronConfig, dims: ParallelDims, role: str) -> Non
               "pipeline_model_parallel_size": (megatron.pipeline_model_parallel_size, dims.pp),
               "virtual_pipeline_model_parallel_size": (megatron.virtual_pipeline_model_parallel_size, dims.vpp),
               "expert_model_parallel_size": (megatron.expert_model_parallel_size, dims.ep),
-              "expert_tensor_parallel_size": (megatron.expert_tensor_parallel_size, dims.expert_tp)}
+              "expert_tensor_parallel_size": (megatron.expert_tensor_parallel_size, dims.expert_tp),
+              "context_parallel_size": (megatron.context_parallel_size, dims.cp)}
     for key, (configured, actual) in wanted.items():
         if key.startswith("virtual") and configured in (None, 1) and actual is None:
             continue
@@ -122,7 +123,7 @@ class StepMetrics:
 
     A worker adds each micro-batch's *contribution* to the global value (e.g. loss / dp, or a token-weighted
     fraction); summing them over micro-batches and DP ranks gives the global mini-batch value. Only the last
-    pipeline stage's first TP rank contributes (the others hold copies). A non-finite loss flag rides along.
+    pipeline stage's first TP rank of CP rank 0 contributes (the others hold copies). A non-finite loss flag rides along.
     Contributions may be device tensors: they are summed where they are (in float64) and read on the host once,
     in `reduce`, so a micro-batch costs no host sync (which would stall a GPU pipeline schedule).
     """

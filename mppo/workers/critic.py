@@ -18,6 +18,7 @@ from mppo.config.schema import CriticConfig, ModelConfig
 from mppo.core_algos import AGG_LOSS_MODES, compute_value_loss, masked_mean
 from mppo.models.weights import bucketed, iter_hf_weights
 from mppo.parallel import ParallelDims
+from mppo.parallel.context_parallel import sum_over_cp
 from mppo.workers.base import StepMetrics, as_float64, build_role_model, response_rows, share_of
 from mppo.workers.batching import Batch, validate_batch
 from mppo.workers.optim import build_lr_scheduler, build_optimizer, ddp_options, wrap_with_ddp
@@ -29,8 +30,10 @@ CRITIC_METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
 
 def _response_values(output: torch.Tensor, data: Batch) -> torch.Tensor:
     """Value-head output [b, s, 1] (GPTModel returns batch-first outputs) -> fp32 values [b, T] at the positions
-    before each response token."""
-    return response_rows(output.squeeze(-1).float().t(), data, valid_only=False)
+    before each response token, 0 where the response is not attended. Under context parallelism each CP rank reads
+    its own positions (the CP-local view) and the grids are summed over CP."""
+    values = response_rows(output.squeeze(-1).float().t(), data, valid_only=False)
+    return sum_over_cp(torch.where(data["response_valid"], values, torch.zeros_like(values)))
 
 
 def compute_response_values(model_chunks: Sequence[nn.Module], batch: Batch, *, micro_batch_size: int | None,

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mppo.models.vocab import mask_padded_logits, valid_vocab_size_per_rank
+from mppo.parallel.context_parallel import sum_over_cp
 from mppo.workers.base import output_weight, response_rows
 from mppo.workers.batching import Batch
 from mppo.workers.pipeline import micro_batches_for, response_forward_step, run_forward_only
@@ -94,13 +95,17 @@ def response_logprobs(model: nn.Module, hidden: torch.Tensor, data: Batch, logpr
                       temperature: float, vocab_size: int,
                       compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(response token) [b, T] fp32 (and entropy [b, T]) from a last stage's hidden states [s, b, h];
-    0 at response positions that are not attended (padding)."""
+    0 at response positions that are not attended (padding). Under context parallelism `hidden` holds this CP
+    rank's positions and `data` is the CP-local view: each rank computes its own tokens and the grids are summed
+    over CP, so every CP rank returns the whole sequence's."""
     valid = data["response_valid"]
     if not bool(valid.any()):
         # no response token here (e.g. one row with an empty response): zeros, still attached to the hidden
         # states so that the pipeline's backward has a gradient to pass on
-        zeros = torch.zeros(valid.shape, dtype=torch.float32, device=hidden.device) + hidden.sum() * 0.0
-        return zeros, (zeros if compute_entropy else None)
+        # (under CP other ranks may hold tokens of these rows: each grid is still summed with theirs)
+        def zeros() -> torch.Tensor:
+            return sum_over_cp(torch.zeros(valid.shape, dtype=torch.float32, device=hidden.device) + hidden.sum() * 0.0)
+        return zeros(), (zeros() if compute_entropy else None)
     selected = response_rows(hidden, data, valid_only=True)  # [N, h], N = valid response tokens
     labels = data["responses"][valid]
     log_probs, entropy = logprob_fn(selected, output_weight(model), labels, temperature=temperature,
@@ -111,7 +116,7 @@ def response_logprobs(model: nn.Module, hidden: torch.Tensor, data: Batch, logpr
         return torch.zeros(valid.shape, dtype=torch.float32, device=values.device).masked_scatter(
             valid, values.float())
 
-    return to_grid(log_probs), (to_grid(entropy) if entropy is not None else None)
+    return sum_over_cp(to_grid(log_probs)), (sum_over_cp(to_grid(entropy)) if entropy is not None else None)
 
 
 def vocab_parallel_sum_pi_squared(hidden: torch.Tensor, weight: torch.Tensor, *, temperature: float,
@@ -167,7 +172,7 @@ def compute_response_outputs(model_chunks: Sequence[nn.Module], batch: Batch, lo
                     grid[valid] = vocab_parallel_sum_pi_squared(response_rows(hidden, data, valid_only=True),
                                                                 output_weight(model), temperature=temperature,
                                                                 valid_vocab_size=vocab_size)
-                outputs["sum_pi_squared"] = grid
+                outputs["sum_pi_squared"] = sum_over_cp(grid)
             return log_probs.sum(), outputs
         return loss_fn
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from mppo.config.schema import ActorConfig
 from mppo.core_algos import GlobalBatchInfo, PolicyLossParams, agg_token_weights
+from mppo.parallel.context_parallel import cp_world_size, sum_over_cp
 from mppo.workers.base import output_weight, response_rows, share_of
 from mppo.workers.batching import Batch
 
@@ -62,7 +63,10 @@ def fused_actor_loss(model: nn.Module, hidden: torch.Tensor, data: Batch, cfg: A
     """(loss, metric contributions, detached log-probs [b, T]) of one micro-batch from the last stage's hidden
     states [s, b, h], as ActorWorker's reference loss function computes them: the loss is this micro-batch's
     share of the global mini-batch loss × dp, each metric contribution is its share of the global value
-    (StepMetrics; float64 device scalars, no host sync), and the log-probs are 0 where the response mask is."""
+    (StepMetrics; float64 device scalars, no host sync), and the log-probs are 0 where the response mask is.
+    Under context parallelism (`data` the CP-local view) the kernel runs on this CP rank's tokens: the loss is their
+    part of the micro-batch's (the token weights come from the whole mask), and the metric contributions and
+    log-probs are summed over CP, so every CP rank holds the micro-batch's."""
     from megatron.core import parallel_state as ps
 
     from mppo.kernels import PPOTokenLoss, fused_linear_ppo_loss
@@ -90,12 +94,17 @@ def fused_actor_loss(model: nn.Module, hidden: torch.Tensor, data: Batch, cfg: A
     stats = out.stats.detach().double()
     pg_loss, entropy_loss, kl_loss, clipfrac, ppo_kl, clipfrac_lower = (stats[i] for i in range(6))
     dp = info.dp_size
-    token_share = share_of(mask.sum().to(out.stats), info.batch_num_tokens)
+    # the kernel's masked means are over its tokens: those of `valid` (under CP this rank's; else mask <= valid)
+    token_share = share_of(mask[valid].sum().to(out.stats), info.batch_num_tokens)
     contributions = {"actor/pg_loss": share_of(pg_loss, dp), "actor/entropy": share_of(entropy_loss, dp),
                      "actor/pg_clipfrac": clipfrac * token_share, "actor/ppo_kl": ppo_kl * token_share,
                      "actor/pg_clipfrac_lower": clipfrac_lower * token_share}
     if cfg.use_kl_loss:
         contributions["actor/kl_loss"] = share_of(kl_loss, dp)
+    if cp_world_size() > 1:  # one all-reduce of the few scalars: every CP rank then holds the micro-batch's values
+        keys = list(contributions)
+        summed = sum_over_cp(torch.stack([contributions[k] for k in keys]))
+        contributions = {k: summed[i] for i, k in enumerate(keys)}
     log_probs = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     log_probs[valid] = out.log_probs.detach().float()
-    return out.loss, contributions, log_probs
+    return out.loss, contributions, sum_over_cp(log_probs)

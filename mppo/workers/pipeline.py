@@ -15,6 +15,14 @@ outputs in batch row order.
 Micro-batch format: `input_ids` [b, s] (int64), rows RIGHT-padded (a row's real tokens start at column 0).
 megatron's rotary embedding always uses positions 0..s-1 and the attention is causal only, so padding after the
 real tokens changes nothing before it; outputs at padded positions are meaningless and the caller masks them.
+
+Under context parallelism (CP > 1) each CP rank runs its 2 of the sequence's 2·CP load-balanced chunks
+(`mppo.parallel.context_parallel`): `stage_forward` splits `input_ids`, and the last stage hands the loss function
+`cp_local_view(micro_batch)`, whose `response_index` / `response_valid` point at this rank's positions only (the
+labels stay those of the full sequence, shifted before the split). Per-token outputs (log-probs, entropy, values)
+are computed on the rank's own tokens into [b, T] grids that are 0 elsewhere and summed over CP
+(`sum_over_cp`, identity backward), so every loss and metric after them sees the whole sequence, unchanged. The
+gradient then needs no rescaling: megatron's schedule multiplies each loss by CP and DDP averages over DP x CP.
 Micro-batches may differ in b and s (shapes are sent ahead of activations), except with the interleaved
 schedule, which needs one shape (`pipeline_inputs` pads them).
 """
@@ -29,6 +37,7 @@ from torch import nn
 
 from mppo.models.builders import gather_sequence, unwrap_model
 from mppo.parallel import collective_device
+from mppo.parallel.context_parallel import cp_positions
 from mppo.workers.batching import TOKEN_COUNTER, MicroBatch, make_micro_batches, pad_to_uniform, scatter_rows
 from mppo.workers.router_replay import replaying, require_routes
 
@@ -150,26 +159,59 @@ def _wait_param_sync(model: nn.Module, module: nn.Module) -> None:
 
 
 def stage_forward(model: nn.Module, input_ids: torch.Tensor, *, hidden_only: bool) -> torch.Tensor:
-    """One chunk's forward on a right-padded micro-batch (positions 0..s-1, causal attention)."""
-    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    """One chunk's forward on a right-padded micro-batch (positions 0..s-1, causal attention); under CP on this
+    CP rank's positions of it (megatron's rotary embedding takes the same positions by itself)."""
+    config = unwrap_model(model).config
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    if config.context_parallel_size > 1:
+        from megatron.core import parallel_state as ps
+
+        positions = cp_positions(input_ids.shape[1], config.context_parallel_size, ps.get_context_parallel_rank(),
+                                 device=input_ids.device)
+        input_ids = input_ids.index_select(1, positions)
+    position_ids = positions.expand_as(input_ids)
     if not hidden_only:
         return model(input_ids, position_ids, None)
     with _final_hidden_states(model):
         hidden = model(input_ids, position_ids, None)
     # under sequence parallelism the decoder's output is this TP rank's slice of the sequence
-    return gather_sequence(hidden) if unwrap_model(model).config.sequence_parallel else hidden
+    return gather_sequence(hidden) if config.sequence_parallel else hidden
+
+
+def cp_local_view(data: Batch, cp: int, cp_rank: int) -> dict[str, torch.Tensor]:
+    """A micro-batch's data as this CP rank's loss function reads it: `response_index` in local positions and
+    `response_valid` only where the predicting position is this rank's; every other entry (labels, masks, update
+    inputs) as it is."""
+    seq_len = data["input_ids"].shape[1]
+    chunk = seq_len // (2 * cp)
+    index = data["response_index"]
+    natural_chunk = index // chunk
+    first, second = natural_chunk == cp_rank, natural_chunk == 2 * cp - 1 - cp_rank
+    local = torch.where(second, index % chunk + chunk, index % chunk)
+    view = dict(data)
+    view["response_valid"] = data["response_valid"] & (first | second)
+    view["response_index"] = torch.where(first | second, local, torch.zeros_like(local))
+    return view
 
 
 def response_forward_step(make_loss_fn: Callable[[nn.Module, Batch], LossFn], *, hidden_only: bool) -> ForwardStep:
     """A run_pipeline forward step: every stage runs its chunk; the last stage hands its output (its final hidden
     states with `hidden_only`) to the `make_loss_fn(model, micro_batch)` closure, which reads the response
-    positions with `mppo.workers.base.response_rows`."""
+    positions with `mppo.workers.base.response_rows` (under CP: of `cp_local_view(micro_batch)`)."""
 
     def forward_step(model: nn.Module, batch: Batch):
-        last = unwrap_model(model).post_process
+        core = unwrap_model(model)
+        last = core.post_process
         with replaying(model, batch):  # the rollout's MoE routes, for an actor built to replay them
             output = stage_forward(model, batch["input_ids"], hidden_only=hidden_only and last)
-        return output, (make_loss_fn(model, batch) if last else None)
+        if not last:
+            return output, None
+        cp = core.config.context_parallel_size
+        if cp > 1:
+            from megatron.core import parallel_state as ps
+
+            batch = cp_local_view(batch, cp, ps.get_context_parallel_rank())
+        return output, make_loss_fn(model, batch)
 
     return forward_step
 
@@ -186,10 +228,12 @@ def micro_batches_for(batch: Batch, rows: torch.Tensor, model_chunks: Sequence[n
 
 
 def sequence_multiple(config) -> int:
-    """What a micro-batch's length must be a multiple of: TP under sequence parallelism (each TP rank holds s / TP
-    positions). The micro-batches are right-padded up to it: padding after a row's tokens changes nothing before
-    it (causal attention), and lengths vary from batch to batch, so refusing them is no option."""
-    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+    """What a micro-batch's length must be a multiple of: 2·CP under context parallelism (2·CP equal chunks), times
+    TP under sequence parallelism (each TP rank holds s / (CP·TP) positions). The micro-batches are right-padded up
+    to it: padding after a row's tokens changes nothing before it (causal attention), and lengths vary from batch
+    to batch, so refusing them is no option."""
+    cp = config.context_parallel_size
+    return (2 * cp if cp > 1 else 1) * (config.tensor_model_parallel_size if config.sequence_parallel else 1)
 
 
 def pipeline_inputs(model_chunks: Sequence[nn.Module], micro_batches: Sequence[MicroBatch], *,

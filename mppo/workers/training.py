@@ -125,7 +125,8 @@ class TrainLoop:
         if not info.batch_num_tokens:  # every rank sees the same all-reduced count
             return StepResult({}, math.nan, True)
         outputs = forward_backward(self.model, self.optimizer, micro_batches, forward_step)
-        contributes = self.dims.is_last_stage and self.dims.tp_rank == 0
+        # one rank per replica: TP and CP ranks hold copies (per-token outputs are summed over CP before the loss)
+        contributes = self.dims.is_last_stage and self.dims.tp_rank == 0 and self.dims.cp_rank == 0
         values, loss_nonfinite = metrics.reduce(contributes=contributes, device=self.dims.device)
         if loss_nonfinite:
             return StepResult(values, math.nan, True, outputs)

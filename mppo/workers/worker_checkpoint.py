@@ -117,7 +117,7 @@ def _role(worker) -> str:
 def _layout(worker) -> dict[str, Any]:
     dims = worker.dims
     optimizer = getattr(worker, "optimizer", None)
-    return {"tp": dims.tp, "pp": dims.pp, "vpp": dims.vpp, "dp": dims.dp,
+    return {"tp": dims.tp, "pp": dims.pp, "vpp": dims.vpp, "dp": dims.dp, "cp": dims.cp,
             "padded_vocab_size": unwrap_model(worker.model[0]).vocab_size,
             "distributed_optimizer": bool(optimizer is not None and _is_distributed(optimizer))}
 
@@ -271,7 +271,7 @@ def check_compatible(state: dict[str, Any], worker, *, load_optimizer: bool, loa
                 problems.append("distributed-optimizer state reshards across DP only, and the layout differs: "
                                 + ", ".join(diff) + " (resume at the saved TP/PP/VPP, or pass load_optimizer=False)")
     if load_rng:
-        diff = _differences(saved, current, ("tp", "pp", "vpp", "dp"))
+        diff = _differences({"cp": 1, **saved}, current, ("tp", "pp", "vpp", "dp", "cp"))  # older ones: CP 1
         if diff:
             problems.append("RNG states are per rank and the layout differs: " + ", ".join(diff)
                             + " (pass load_rng=False)")

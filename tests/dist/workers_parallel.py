@@ -24,9 +24,11 @@ from workers_fixtures import (TEMPERATURE, add_value_head, count_host_reads, dp_
                               hf_response_logprobs, hf_values, make_batch, max_state_diff, mean_steps,
                               reference_actor_updates, reference_critic_updates)
 
-# (tp, pp, vpp, logprob_impl, use_dynamic_bsz): every layout of 4 ranks, both log-prob paths, both batchings
-ACTOR_LAYOUTS = [(2, 2, None, "fused", False), (1, 1, None, "naive", False), (2, 1, None, "fused", True),
-                 (1, 2, None, "naive", True), (1, 2, 2, "fused", False)]
+# (tp, pp, vpp, logprob_impl, use_dynamic_bsz, cp): every layout of 4 ranks, both log-prob paths, both batchings;
+# context parallelism alone (DP2, token-budget micro-batches), with TP2 + SP and with PP2
+ACTOR_LAYOUTS = [(2, 2, None, "fused", False, 1), (1, 1, None, "naive", False, 1), (2, 1, None, "fused", True, 1),
+                 (1, 2, None, "naive", True, 1), (1, 2, 2, "fused", False, 1), (1, 1, None, "fused", True, 2),
+                 (2, 1, None, "fused", False, 2), (1, 2, None, "naive", False, 2)]
 MINI = 4  # global mini-batch (rows); the 8-row batch makes two optimizer steps
 OPTIM = dict(lr=1e-2, eps=1e-3, clip_grad=1.0)
 LOSS = dict(clip_low=0.2, clip_high=0.28, entropy_coeff=0.01, kl_coef=0.1, kl_type="low_var_kl")
@@ -35,11 +37,12 @@ CLIPRANGE_VALUE = 0.2
 NORMALISATION_CASES = (("token-mean", "vanilla"), ("seq-mean-token-mean", "vanilla"), ("token-mean", "geo_mean"))
 
 
-def name(tp, pp, vpp) -> str:
-    return f"tp{tp}pp{pp}" + (f"vpp{vpp}" if vpp else "")
+def name(tp, pp, vpp, cp=1) -> str:
+    return f"tp{tp}pp{pp}" + (f"vpp{vpp}" if vpp else "") + (f"cp{cp}" if cp > 1 else "")
 
 
-def actor_config(tp, pp, vpp, *, impl="fused", dynamic=False, mode="token-mean", dist_opt=True, micro=1, mini=MINI):
+def actor_config(tp, pp, vpp, *, impl="fused", dynamic=False, mode="token-mean", dist_opt=True, micro=1, mini=MINI,
+                 cp=1):
     from mppo.config.schema import ActorConfig, MegatronConfig, OptimConfig
 
     cfg = ActorConfig(ppo_mini_batch_size=mini, ppo_micro_batch_size_per_gpu=micro, use_dynamic_bsz=dynamic,
@@ -50,7 +53,7 @@ def actor_config(tp, pp, vpp, *, impl="fused", dynamic=False, mode="token-mean",
     cfg.optim = OptimConfig(lr=OPTIM["lr"], eps=OPTIM["eps"], clip_grad=OPTIM["clip_grad"], weight_decay=0.0)
     cfg.megatron = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   virtual_pipeline_model_parallel_size=vpp, use_distributed_optimizer=dist_opt,
-                                  recompute="none", seed=0)
+                                  recompute="none", seed=0, context_parallel_size=cp)
     return cfg
 
 
@@ -104,18 +107,30 @@ class Cases:
 
         ref_state, ref_steps = self.refs["token-mean", "vanilla"]
         ref_metrics = mean_steps(ref_steps)
-        for tp, pp, vpp, impl, dynamic in ACTOR_LAYOUTS:
-            key = name(tp, pp, vpp)
-            dims = init_distributed(tp, pp, vpp, seed=1234)
+        for tp, pp, vpp, impl, dynamic, cp in ACTOR_LAYOUTS:
+            key = name(tp, pp, vpp, cp)
+            dims = init_distributed(tp, pp, vpp, cp=cp, seed=1234)
             shard = dp_shard(self.batch, dims.dp, dims.dp_rank)
             hf_lp = self.hf_lp[dims.dp_rank::dims.dp]
-            actor = ActorWorker(ModelConfig(), actor_config(tp, pp, vpp, impl=impl, dynamic=dynamic), dims,
+            actor = ActorWorker(ModelConfig(), actor_config(tp, pp, vpp, impl=impl, dynamic=dynamic, cp=cp), dims,
                                 self.work / "actor", total_steps=4)
             outs = actor.compute_log_prob_outputs(shard, temperature=TEMPERATURE, calculate_entropy=True)
             lp, ent = outs["log_probs"], outs["entropy"]
             self.res[f"{key}/sequence_parallel"] = unwrap_model(actor.model[0]).config.sequence_parallel
             self.res[f"{key}/log_probs_vs_hf"] = (lp - hf_lp).abs().max().item()
             self.res[f"{key}/entropy_vs_hf"] = (ent - self.hf_ent[dims.dp_rank::dims.dp]).abs().max().item()
+            if cp > 1:
+                # token-budget and count micro-batches under CP; the whole batch on every rank vs the CP1 run's
+                by_tokens = actor.compute_log_prob(shard, temperature=TEMPERATURE, max_token_len=26)
+                self.res[f"{key}/token_budget_vs_count"] = (by_tokens - lp).abs().max().item()
+                full = actor.compute_log_prob_outputs(self.batch, temperature=TEMPERATURE, calculate_entropy=True,
+                                                      micro_batch_size=3)
+                self.res[f"{key}/log_probs_vs_cp1"] = (full["log_probs"] - cp1[0]).abs().max().item()
+                self.res[f"{key}/entropy_vs_cp1"] = (full["entropy"] - cp1[1]).abs().max().item()
+            if key == "tp1pp1":
+                full = actor.compute_log_prob_outputs(self.batch, temperature=TEMPERATURE, calculate_entropy=True,
+                                                      micro_batch_size=3)
+                cp1 = (full["log_probs"], full["entropy"])
             if key == "tp2pp2":
                 by_tokens = actor.compute_log_prob(shard, temperature=TEMPERATURE, max_token_len=26)
                 self.res[f"{key}/token_budget_vs_count"] = (by_tokens - lp).abs().max().item()
@@ -318,15 +333,16 @@ class Cases:
                                                         loss_agg_mode="token-mean", cliprange_value=CLIPRANGE_VALUE,
                                                         epochs=2)
         ref_metrics = mean_steps(ref_steps)
-        for tp, pp in ((2, 2), (1, 1)):
-            key = f"critic/{name(tp, pp, None)}"
-            dims = init_distributed(tp, pp, seed=1234)
+        for tp, pp, cp in ((2, 2, 1), (1, 1, 1), (1, 1, 2)):
+            key = f"critic/{name(tp, pp, None, cp)}"
+            dims = init_distributed(tp, pp, cp=cp, seed=1234)
             cfg = CriticConfig(ppo_mini_batch_size=MINI, ppo_micro_batch_size_per_gpu=1, use_dynamic_bsz=False,
                                ppo_epochs=2, cliprange_value=CLIPRANGE_VALUE, loss_agg_mode="token-mean",
                                optim=OptimConfig(lr=OPTIM["lr"], eps=OPTIM["eps"], clip_grad=OPTIM["clip_grad"],
                                                  weight_decay=0.0),
                                megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                       use_distributed_optimizer=tp == 2, seed=0))
+                                                       use_distributed_optimizer=tp == 2, seed=0,
+                                                       context_parallel_size=cp))
             critic = CriticWorker(ModelConfig(), cfg, dims, self.work / "critic", total_steps=4)
             shard = dp_shard(self.batch, dims.dp, dims.dp_rank)
             values = critic.compute_values(shard)
@@ -475,6 +491,30 @@ class Cases:
         self.res["ckpt/other_model_error"] = errors(lambda: load_worker_checkpoint(tied, ckpts[True][0],
                                                                                     load_rng=False))
         self.res["ckpt/missing_error"] = errors(lambda: load_worker_checkpoint(actor, self.work / "nowhere"))
+        destroy()
+
+        # context parallelism: resume at CP2 x DP2 is bit-identical; the CP2 checkpoint loads at CP1 (TP1 DP4)
+        dims = init_distributed(1, 1, cp=2, seed=1234)
+        cfg = actor_config(1, 1, None, cp=2, micro=3)
+        actor = ActorWorker(ModelConfig(), cfg, dims, self.work / "actor", total_steps=4)
+        actor.update(full, temperature=TEMPERATURE)
+        path = self.work / "ckpt_cp2"
+        save_worker_checkpoint(actor, path, extra_state={})
+        saved_weights, lp_cp2 = exported(actor), actor.compute_log_prob(full, temperature=TEMPERATURE)
+        actor.update(full, temperature=TEMPERATURE)
+        again = ActorWorker(ModelConfig(), cfg, dims, self.work / "actor", total_steps=4)
+        load_worker_checkpoint(again, path)
+        again.update(full, temperature=TEMPERATURE)
+        self.res["ckpt/cp2_resume_weights_diff"] = max_state_diff(exported(again), exported(actor))
+        destroy()
+        dims = init_distributed(1, 1, seed=1234)
+        actor = ActorWorker(ModelConfig(), actor_config(1, 1, None), dims, self.work / "actor", total_steps=4)
+        self.res["ckpt/cp2_to_cp1_rng_error"] = errors(lambda: load_worker_checkpoint(actor, path,
+                                                                                       load_optimizer=False))
+        load_worker_checkpoint(actor, path, load_optimizer=False, load_rng=False)
+        self.res["ckpt/cp2_to_cp1_weights_bitwise"] = max_state_diff(exported(actor), saved_weights) == 0.0
+        self.res["ckpt/cp2_to_cp1_log_probs"] = (actor.compute_log_prob(full, temperature=TEMPERATURE)
+                                                 - lp_cp2).abs().max().item()
         destroy()
 
 
