@@ -194,17 +194,19 @@ def test_context_parallel_activations_equal_the_closed_form_at_the_local_sequenc
     for cp in (1, 2, 4, 8):
         local = s / cp  # tokens of this rank's two chunks
         for t in (1, 2, 4):
+            # the other ranks' K/V, gathered and kept by the attention (all heads are K/V heads here), bf16
+            gathered = 2 * b * (s - local) * a * (h // a) * 2 / t
             dropout = 2 * local * b * h  # the paper's dropout masks, which mppo's models do not have
             scores_gone = 3 * a * local * s * b / t  # of 5as²b/t: the score mask and the dropout output
             paper_none = local * b * h * (10 + 24 / t) + 5 * a * local * s * b / t
             assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "none", cp=cp),
-                                paper_none - dropout - scores_gone)
+                                paper_none - dropout - scores_gone + gathered)
             assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "selective", cp=cp),
                                 local * b * h * (10 + 24 / t) - dropout)
             assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "full", cp=cp), 2 * local * b * h)
             paper_sp_none = local * b * h * 34 / t + 5 * a * local * s * b / t
             assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "none", sp=True, cp=cp),
-                                paper_sp_none - dropout / t - scores_gone)
+                                paper_sp_none - dropout / t - scores_gone + gathered)
             assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "selective", sp=True, cp=cp),
                                 local * b * h * 34 / t - dropout / t)
             assert math.isclose(layer_activation_bytes(args, t, s, b, prec, "full", sp=True, cp=cp),
@@ -220,7 +222,8 @@ def test_context_parallel_activations_equal_the_closed_form_at_the_local_sequenc
 
 
 def test_context_parallel_training_peak_and_optimizer_shards():
-    """Under CP the stage's stored activations are CP1's / CP, the peak adds one layer's gathered K/V and grads,
+    """Under CP the stage's stored activations are CP1's / CP plus every layer's gathered K/V (SDPA keeps them for
+    the backward), the peak adds one layer's dK/dV (and with selective recomputation its K/V gathered again),
     and the distributed optimizer shards over DP x CP (megatron's data-parallel group with context parallelism)."""
     from mppo.models.hf_config import read_hf_config
     from mppo.plan.memory import Precision, cp_kv_gather_bytes, model_state, training_activations
@@ -231,8 +234,16 @@ def test_context_parallel_training_peak_and_optimizer_shards():
     cp2 = dataclasses.replace(cp1, dp=2, cp=2)
     per1, peak1 = training_activations(args, cp1, prec, 4096, stage=0)
     per2, peak2 = training_activations(args, cp2, prec, 4096, stage=0)
-    assert math.isclose(per2, per1 / 2)
-    assert math.isclose(peak2, peak1 / 2 + cp_kv_gather_bytes(args, 1, 4096, 2, prec, 2, backward=True))
+    # stored: CP1's / 2 plus, in every layer, the other rank's half of K and V (2 of 4 heads are K/V heads, bf16)
+    other_kv = 2 * 2 * (4096 // 2) * 2 * (64 // 4) * 2
+    assert math.isclose(per2, per1 / 2 + other_kv * args.num_layers)
+    # the peak: one layer's full-length dK/dV in its backward on top
+    dkv = cp_kv_gather_bytes(args, 1, 4096, 2, prec, 2, backward=False)
+    assert math.isclose(peak2, peak1 / 2 + other_kv * args.num_layers + dkv)
+    sel1, sel2 = (dataclasses.replace(lay, recompute="selective") for lay in (cp1, cp2))
+    _, speak1 = training_activations(args, sel1, prec, 4096, stage=0)
+    _, speak2 = training_activations(args, sel2, prec, 4096, stage=0)  # regathered in the backward: K/V + dK/dV
+    assert math.isclose(speak2, speak1 / 2 + cp_kv_gather_bytes(args, 1, 4096, 2, prec, 2, backward=True))
     state1, state2 = model_state(args, cp1, prec, 0), model_state(args, cp2, prec, 0)
     assert (state2.weights, state2.grads, state2.optimizer) == (state1.weights, state1.grads, state1.optimizer)
     assert state2.optimizer == math.ceil(state2.optimizer_unsharded / 4)

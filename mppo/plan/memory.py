@@ -25,9 +25,10 @@ megatron's SP linears keep their input's sequence slice and all-gather it again 
 Context parallelism (CP, megatron.context_parallel_size) splits each sequence into 2·CP chunks, two per rank
 (load-balanced causal split), so every term above is kept for s/CP tokens per rank: the layer's activations are
 its CP1 bytes / CP (the attention scores too: s/CP queries against s keys). Attention needs every earlier key, so
-a rank all-gathers the K and V of the whole sequence for the layer it computes, one layer at a time: the gathered
-K/V are not kept for the backward (they are gathered again there, where the full-length dK/dV buffers exist too
-before their reduce-scatter), so they are a transient of one layer, not a stored activation.
+a rank all-gathers the K and V of the whole sequence for each layer (mppo.models.attention): without
+recomputation SDPA keeps them for the backward, so every layer stores the other ranks' K/V too (2·s·(CP-1)/CP·g·d
+per layer and TP rank); the backward holds one layer's full-length dK/dV until their reduce-scatter. With
+selective or full recomputation they are gathered again in the backward: a transient of one layer (K/V + dK/dV).
 (bytes, 16-bit activations), itemised so that it holds for this architecture: the paper's GeLU MLP (4h in, 4h out)
 becomes SwiGLU (2F fc1 output + F fc2 input), its K/V become GQA's g heads, dropout masks are dropped (mppo's
 models use dropout 0), and the s² attention-score term exists only with unfused (local) attention: Transformer
@@ -275,7 +276,11 @@ def layer_activation_bytes(a: HFModelArgs, tp: int, seq: int, batch: float, prec
         scores = sb * a.num_attention_heads * FP32 / tp  # log-sum-exp per head and token
     else:
         scores = batch * a.num_attention_heads * (seq / cp) * seq * e / tp  # softmax output: local queries x keys
-    return replicated + sharded + (0 if recompute == "selective" else scores)  # selective: core attention redone
+    # CP: the other ranks' K/V, all-gathered for the attention and kept by it (the local ones are in `qkv`)
+    gathered_kv = 2 * batch * seq * (cp - 1) / cp * a.num_query_groups * a.head_dim * e / tp
+    if recompute == "selective":  # core attention redone: neither its scores nor the gathered K/V are kept
+        return replicated + sharded
+    return replicated + sharded + scores + gathered_kv
 
 
 def cp_kv_gather_bytes(a: HFModelArgs, tp: int, seq: int, batch: float, prec: Precision, cp: int,
@@ -311,8 +316,10 @@ def training_activations(a: HFModelArgs, lay: RoleLayout, prec: Precision, seq: 
     if lay.recompute == "full":  # the backward recomputes one layer with everything kept
         peak += max(layer_activation_bytes(a, lay.tp, seq, lay.micro_batch, prec, "none", moe=i in a.moe_layers,
                                            sp=lay.sp, cp=lay.cp) for i in layers)
-    # one layer's attention backward at a time: the gathered K/V and their gradients (CP only)
-    peak += cp_kv_gather_bytes(a, lay.tp, seq, lay.micro_batch, prec, lay.cp, backward=True)
+    # one layer's attention backward at a time (CP only): the full-length dK/dV, and under selective recomputation
+    # the K/V gathered again (otherwise they are in the stored or recomputed layer, counted above)
+    peak += cp_kv_gather_bytes(a, lay.tp, seq, lay.micro_batch, prec, lay.cp, backward=True) / (
+        1 if lay.recompute == "selective" else 2)
     return per_micro, peak
 
 
