@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mppo.bench.step import DEFAULT_CONFIG, REPO, bench_assets, cpu_cores, load_average
+from mppo.bench.step import DEFAULT_CONFIG, REPO, bench_assets, cpu_cores, load_average, run_and_report
 
 SEPARATE = ["actor_rollout_ref.hybrid_engine=false", "trainer.n_gpus_per_node=1",
             "actor_rollout_ref.rollout.n_gpus_per_node=1", "actor_rollout_ref.rollout.nnodes=1"]
@@ -231,18 +231,7 @@ def describe(opts: argparse.Namespace, out: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    opts = _parser().parse_args(argv)
-    try:
-        out = run(opts)
-    except ValueError as err:
-        print(f"mppo bench off-policy: {err}", file=sys.stderr)
-        return 2
-    print(describe(opts, out) + "\n")
-    print(render(out["summaries"]))
-    if opts.json:
-        opts.json.write_text(json.dumps({"options": vars(opts) | {"json": str(opts.json)}, **out}, indent=1,
-                                        default=str))
-    return 0
+    return run_and_report("off-policy", _parser().parse_args(argv), run, describe, render)
 
 
 if __name__ == "__main__":

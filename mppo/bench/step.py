@@ -343,19 +343,23 @@ def describe(opts: argparse.Namespace, out: dict[str, Any]) -> str:
     ])
 
 
-def main(argv: list[str] | None = None) -> int:
-    opts = _parser().parse_args(argv)
+def run_and_report(name: str, opts: argparse.Namespace, run_fn, describe_fn, render_fn) -> int:
+    """A step-style bench's CLI: run it, print its description and table, write --json; a bad option is exit 2."""
     try:
-        out = run(opts)
+        out = run_fn(opts)
     except ValueError as err:
-        print(f"mppo bench step: {err}", file=sys.stderr)
+        print(f"mppo bench {name}: {err}", file=sys.stderr)
         return 2
-    print(describe(opts, out) + "\n")
-    print(render(out["summaries"]))
+    print(describe_fn(opts, out) + "\n")
+    print(render_fn(out["summaries"]))
     if opts.json:
         opts.json.write_text(json.dumps({"options": vars(opts) | {"json": str(opts.json)}, **out}, indent=1,
                                         default=str))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_and_report("step", _parser().parse_args(argv), run, describe, render)
 
 
 if __name__ == "__main__":
