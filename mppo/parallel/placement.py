@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -95,7 +94,7 @@ def plan_placement(world: int, local_world: int, *, trainer_nnodes: int, trainer
 class Bridge:
     """Process groups over the ranks of the launch, across the split. `src` arguments are global ranks.
 
-    `control`: gloo over every rank of the launch, for small pickled messages and rollout results;
+    `control`: gloo over every rank of the launch, for small messages (torch.save, read back with weights_only) and rollout results;
     `weight_control` (gloo) and `weights` (gloo on CPU, NCCL on GPUs): over the first trainer rank and the engine
     ranks (`weight_ranks`), for bucket layouts and the bytes of the weight stream. `device`: where the weight
     stream's tensors live on this rank. Ranks outside the weight ranks hold None for those two."""
@@ -112,14 +111,17 @@ class Bridge:
         payload = None
         if self.rank == src:
             buffer = io.BytesIO()
-            pickle.dump(obj, buffer, protocol=pickle.HIGHEST_PROTOCOL)
+            torch.save(obj, buffer)
             payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
         length = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
         _broadcast(group, length, root)
         if payload is None:
             payload = torch.empty(int(length.item()), dtype=torch.uint8)
         _broadcast(group, payload, root)
-        return obj if self.rank == src else pickle.loads(payload.numpy().tobytes())
+        if self.rank == src:
+            return obj
+        # weights_only: a peer's message is tensors and plain containers; nothing in it may name code to run
+        return torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=True)
 
     def broadcast_weights(self, tensor: torch.Tensor) -> None:
         """The first trainer rank's `tensor` into every engine rank's (in place, on `device`)."""

@@ -167,8 +167,8 @@ class RemoteRollout:
                  first_index: int = 0) -> None:
         """Ask the engines for `generate(prompts, ...)` now, on the weights they hold, and return at once."""
         key = request_key(prompts, sampling, step, first_index)
-        self._send({"op": "generate", "prompts": [list(p) for p in prompts], "sampling": sampling, "step": step,
-                    "first_index": first_index})
+        self._send({"op": "generate", "prompts": [list(p) for p in prompts], "sampling": dataclasses.asdict(sampling),
+                    "step": step, "first_index": first_index})
         self._outstanding = _Request(key)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, step: int,
@@ -245,8 +245,8 @@ def serve_engine(cfg: MppoConfig, side: Side, *, run_dir: Path) -> int:
             version = message["version"]
         elif op == "generate":
             start = time.time()
-            responses = rollout.generate(message["prompts"], message["sampling"], step=message["step"],
-                                         first_index=message["first_index"])
+            responses = rollout.generate(message["prompts"], SamplingParams(**message["sampling"]),
+                                         step=message["step"], first_index=message["first_index"])
             answer = {"version": version, "start": start, "end": time.time(), "packed": pack_responses(responses)}
             bridge.broadcast_object(answer if is_first else None, side.placement.engine_ranks[0])
         else:

@@ -11,6 +11,7 @@ train_step; the step's batch is gathered over DP on rank 0, which writes out/ran
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -170,6 +171,7 @@ def group_of_two(tok) -> dict:
     grouped = rollout.generate(prompts, sampling, step=0, first_index=5, agent=agent)
     alone = agent.generate(engine, prompts, sampling, step=0, prompt_offsets=[5, 6, 7],
                            run_tools=AgentLoop.local_tools(agent))  # the real tools, on this rank
+    alone = [dataclasses.replace(r, policy_version=rollout.version) for r in alone]  # the Rollout stamps its version
     return {"texts": texts, "responses_equal": [vars(r) for r in grouped] == [vars(r) for r in alone],
             "num_responses": len(grouped), "tool_calls": [r.num_tool_calls for r in grouped]}
 
