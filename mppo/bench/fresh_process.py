@@ -2,15 +2,20 @@
 `mppo bench attention`): allocator caches and high-water marks never leak from one case into the next.
 
 The benchmark module runs itself as the worker (`python -m MODULE --worker ...`), measures one case and prints
-its result as JSON on the last stdout line; `run_case` launches it and reads that line back.
+its result as JSON on the last stdout line; `run_case` launches it and reads that line back. `run_torchrun` is the
+same for a case of several ranks (`mppo bench step`, `off-policy`, `long-context`): one fresh torchrun launch.
 """
 from __future__ import annotations
 
 import json
 import os
 import resource
+import socket
 import subprocess
 import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
 
 # A worker is a world of one: torchrun's variables (when the benchmark itself runs under torchrun) must not leak in.
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
@@ -34,6 +39,26 @@ def run_case(module: str, worker_args: list[str], *, case: dict, timeout: float,
         last = (proc.stderr.strip().splitlines() or [f"(no output; killed by signal {-proc.returncode}?)"])[-1]
         return {**case, "error": f"exit {proc.returncode}: {last[:120]}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_torchrun(module: str, args: list[str], *, nproc: int, threads: int, timeout_s: float,
+                 device: str = "cpu", expect: Path | None = None) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node nproc -m module *args` on a free local port, `threads` OpenMP threads per rank,
+    the GPUs hidden unless `device` is cuda. A non-zero exit (or `expect` not written) is a RuntimeError carrying
+    the command and the tails of its output."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+           f"--master_port={port}", "-m", module, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0 or (expect is not None and not expect.is_file()):
+        raise RuntimeError(f"benchmark ranks failed (exit {proc.returncode}): {' '.join(cmd)}\n"
+                           f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
 
 
 def peak_rss_bytes() -> int:

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mppo.bench.fresh_process import run_torchrun
 from mppo.bench.step import DEFAULT_CONFIG, REPO, bench_assets, cpu_cores, load_average, run_and_report
 
 SEPARATE = ["actor_rollout_ref.hybrid_engine=false", "trainer.n_gpus_per_node=1",
@@ -90,21 +91,9 @@ def launch(overrides: list[str], ranks: int, work: Path, device: str = "cpu", ti
     """One torchrun launch of this module's rank entry point (the trainer's fit, generation calls timed)."""
     spec, out = work / "spec.json", work / "generations.json"
     spec.write_text(json.dumps({"config": str(DEFAULT_CONFIG), "overrides": overrides, "out": str(out)}))
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
-           f"--master_port={port}", "-m", "mppo.bench.off_policy", "--rank-worker", str(spec)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
-    if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
     load_before = load_average()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if proc.returncode != 0 or not out.is_file():
-        raise RuntimeError(f"benchmark ranks failed (exit {proc.returncode}): {' '.join(cmd)}\n"
-                           f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    run_torchrun("mppo.bench.off_policy", ["--rank-worker", str(spec)], nproc=ranks, threads=1, timeout_s=timeout_s,
+                 device=device, expect=out)
     result = json.loads(out.read_text())
     result["load"] = {"before": load_before, "after": load_average()}
     return result

@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-REPO = Path(__file__).resolve().parents[2]
+from mppo.bench.fresh_process import REPO, run_torchrun
+
 DEFAULT_CONFIG = REPO / "configs" / "demo_cpu.yaml"
 CACHE = Path(os.environ.get("MPPO_BENCH_CACHE", Path.home() / ".cache" / "mppo-bench"))
 ESTIMATORS = {"gae": "PPO (GAE + critic)", "grpo": "GRPO"}
@@ -133,18 +134,9 @@ def launch(spec: dict[str, Any], nproc: int, threads: int, out_dir: Path, timeou
     """One torchrun launch of this module's rank entry point; returns rank 0's measurements."""
     spec_path, out_path = out_dir / "spec.json", out_dir / "result.json"
     spec_path.write_text(json.dumps({**spec, "threads": threads, "out": str(out_path)}))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={port}", "-m", "mppo.bench.step", "--rank-worker", str(spec_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}",
-           "CUDA_VISIBLE_DEVICES": ""}
     load_before = load_average()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if proc.returncode != 0 or not out_path.is_file():
-        raise RuntimeError(f"benchmark ranks failed (exit {proc.returncode}): {' '.join(cmd)}\n"
-                           f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    run_torchrun("mppo.bench.step", ["--rank-worker", str(spec_path)], nproc=nproc, threads=threads,
+                 timeout_s=timeout_s, expect=out_path)
     result = json.loads(out_path.read_text())
     result["load"] = {"before": load_before, "after": load_average()}
     return result

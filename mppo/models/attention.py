@@ -25,12 +25,14 @@ Why an all-gather and not a ring (ring attention passing K/V blocks round the CP
 attention K/V are a fraction of the activations (Qwen2.5-7B: 4 of 28 heads), so gathering them whole costs little
 memory (2·s·groups·head_dim per layer, kept for the backward) and one collective per layer instead of CP-1 steps
 whose overlap needs streams; the masks stay exact and simple (a prefix of the keys plus the diagonal block), with
-no partial softmaxes to merge, so the result is SDPA's own. Llama 3's training and megatron's `all_gather`
+no partial softmaxes passed between ranks. Llama 3's training and megatron's `all_gather`
 cp_comm_type make the same choice. The cost is that the K/V all-gather is not overlapped with compute.
 On CUDA the flash / memory-efficient kernels take the lower-right mask without materialising it. The CPU kernel
-materialises it ([queries, keys] booleans, then a float copy), so on CPU the queries go in blocks of at most
-`CPU_MASK_ELEMENTS` mask entries. Measured for the last chunk at 32k tokens and CP2 (8k queries against 32k keys,
-4 heads of 16, 2 K/V groups): peak memory of the chunk's attention 1286 MiB in one call, 30 MiB in blocks.
+would materialise it ([queries, keys] booleans, then float copies, which its backward keeps), so on CPU a chunk
+is two flash calls instead, the keys before the chunk unmasked and the chunk's own keys square-causal, merged by
+their log-sum-exps (`_PrefixCausalAttention`). Measured on one 32k-token sequence (`mppo bench long-context`,
+bench/RESULTS.md section 14): with masked query blocks the CP2 update needed 2.06x CP1's memory, with the split
+0.55x (CP4: 0.31x).
 Under CP only causal (or unmasked) attention without an explicit mask is covered, which is what mppo passes.
 With `transformer_impl=te` Transformer Engine's own CP runs instead (cp_comm_type from the TransformerConfig,
 mppo.models.builders sets all_gather); that path needs CUDA and is not exercised by the CPU tests.
@@ -59,8 +61,6 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from mppo.parallel.context_parallel import gather_for_cp
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
-# Under CP on CPU: most entries of a materialised lower-right mask per SDPA call (a bool and a float copy, ~20 MiB)
-CPU_MASK_ELEMENTS = 1 << 22
 
 
 def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
@@ -86,6 +86,44 @@ def kv_for_fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_
     if sdpa_backend(q, *repeated, attn_mask, dropout_p, is_causal) == SDPBackend.MATH:
         return k, v  # math either way: the grouped tensors are smaller
     return repeated[0], repeated[1]
+
+
+class _PrefixCausalAttention(torch.autograd.Function):
+    """CPU: `rows` queries at natural positions start.. against keys 0..start+rows-1, lower-right causal, as two
+    flash-kernel calls: the keys before the chunk (no mask) and the chunk's own keys (square causal), merged by their
+    log-sum-exps. The backward runs the flash backward of each part against the merged output and log-sum-exp
+    (what ring attention does per step), which gives each part's exact share of dQ and its dK/dV. No mask is
+    materialised and nothing is recomputed; saved are q, k, v (views), the output and the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                scale: Optional[float]) -> torch.Tensor:
+        before, before_lse = _cpu_flash(q, k[:, :, :start], v[:, :, :start], False, scale)
+        own, own_lse = _cpu_flash(q, k[:, :, start:], v[:, :, start:], True, scale)
+        lse = torch.logaddexp(before_lse, own_lse)
+        out = (torch.exp(before_lse - lse).unsqueeze(-1) * before + torch.exp(own_lse - lse).unsqueeze(-1) * own)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.start, ctx.scale = start, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        s, grad_out = ctx.start, grad_out.contiguous()
+        dq_before, dk_before, dv_before = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k[:, :, :s], v[:, :, :s], out, lse, 0.0, False, scale=ctx.scale)
+        dq_own, dk_own, dv_own = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k[:, :, s:], v[:, :, s:], out, lse, 0.0, True, scale=ctx.scale)
+        return (dq_before + dq_own, torch.cat([dk_before, dk_own], dim=2), torch.cat([dv_before, dv_own], dim=2),
+                None, None)
+
+
+def _cpu_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+               scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU flash kernel (grouped K/V taken as they are): output [b, h, s, d] and log-sum-exp [b, h, s]."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+    return out, lse
 
 
 class SDPAttention(MegatronModule):
@@ -185,17 +223,18 @@ class SDPAttention(MegatronModule):
 
     def _causal_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                       dropout_p: float) -> torch.Tensor:
-        """Queries at natural positions start.. against keys 0..(their position): lower-right causal attention of
-        each query block to the keys up to the block's end."""
+        """Queries at natural positions start.. against keys 0..(their position): lower-right causal attention."""
         rows = q.shape[2]
-        block = rows if q.is_cuda else max(1, min(rows, CPU_MASK_ELEMENTS // (start + rows)))
-        outs = []
-        for first in range(0, rows, block):
-            q_block = q[:, :, first:first + block]
-            end = start + first + q_block.shape[2]
-            mask = causal_lower_right(q_block.shape[2], end) if end > q_block.shape[2] else None
-            outs.append(self._sdpa(q_block, k[:, :, :end], v[:, :, :end], mask, dropout_p, mask is None))
-        return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+        end = start + rows
+        if start == 0:  # the first chunk: square, plain causal
+            return self._sdpa(q, k[:, :, :rows], v[:, :, :rows], None, dropout_p, True)
+        if q.is_cuda:  # the flash / memory-efficient kernels take the lower-right mask without materialising it
+            return self._sdpa(q, k[:, :, :end], v[:, :, :end], causal_lower_right(rows, end), dropout_p, False)
+        if dropout_p > 0.0:
+            raise NotImplementedError("attention dropout under context parallelism runs on CUDA only (the CPU path "
+                                      "merges two flash calls, which take no dropout); set the model's "
+                                      "attention_dropout to 0 or run on GPUs")
+        return _PrefixCausalAttention.apply(q, k[:, :, :end], v[:, :, :end], start, self.softmax_scale)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout_p: float,
               is_causal: bool) -> torch.Tensor:

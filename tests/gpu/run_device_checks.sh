@@ -87,6 +87,13 @@ if [[ " $STAGES " == *" parallel "* ]]; then
   stage "one 32k-token sequence on one GPU: the planned vs measured old-log-prob memory at CP1, log-probs vs HF"
   timeout 240 "$PY" tests/gpu/parallel_checks.py long "$OUT/parallel"
   echo "parallel long rc=$?"
+  stage "mppo bench long-context on GPUs: one 32k sequence at CP1 and CP2 (NCCL), peak memory per rank"
+  if (( GPUS >= 2 )); then
+    timeout 240 "$PY" -m mppo bench long-context --device cuda --cps 1,2 --json "$OUT/reports/long_context.json"
+    echo "bench long-context rc=$?"
+  else
+    echo "SKIPPED: CP2 needs 2 GPUs, one per CP rank; this machine has $GPUS"
+  fi
   cp "$OUT"/parallel/parallel_*.json "$OUT/reports/" 2>/dev/null
 fi
 if [[ " $STAGES " == *" async "* ]]; then
