@@ -6,7 +6,8 @@ Llama: SGLang's Llama can return its weights (get_weights_by_name), its Qwen2 ca
 needs that. The same launch then serves a random tiny Qwen3-MoE (two new engines, which return their routed experts)
 to GRPO at EP2 with routing replay (R3), 2 steps; SGLang's Qwen3-MoE has no get_weights_by_name either, so what
 reaches its engine is checked through HF transformers loading the exporter's tensors (log-probs and routes).
-Between them, one multi-turn GRPO step with the calculator tool runs on the Llama engines (a policy made to call it).
+Between them, one multi-turn GRPO step with the calculator tool runs on the Llama engines (a policy made to call it),
+and GRPO with LoRA adapters at trainer TP2 (merged into the weights pushed to the engines), 2 steps.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ SGLANG = ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.te
           "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=true"]
 OFFLOAD = ["actor_rollout_ref.actor.megatron.param_offload=true",
            "actor_rollout_ref.actor.megatron.optimizer_offload=true"]
+LORA = ["critic.enable=false", "actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=16",
+        "actor_rollout_ref.actor.optim.lr=0.01", "trainer.val_before_train=false"]
 MOE_R3 = ["critic.enable=false", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
           "actor_rollout_ref.actor.router_replay.mode=R3"]
 
@@ -49,6 +52,9 @@ def launch(tmp_path_factory) -> list[dict]:
         "dp2_grpo": tiny_overrides(assets, runs / "dp2_grpo", world=2, steps=3, estimator="grpo", n=4)
         + common + ["critic.enable=false"],
     }
+    # LoRA (merge=true): the adapters merged into the weights the engines get; a high lr so that they move
+    cases["tp2_grpo_lora"] = (tiny_overrides(assets, runs / "tp2_grpo_lora", world=2, tp=2, steps=2,
+                                             estimator="grpo", n=4) + common + LORA)
     # one multi-turn GRPO step on the same engines: a policy that calls the calculator (same config, own weights)
     tools = tiny_overrides(assets, runs / "dp2_grpo_tools", world=2, steps=1, estimator="grpo", n=4) + common
     cases["dp2_grpo_tools"] = [o.replace(f"{assets}/model", str(tool_model)) for o in tools] + [
@@ -147,6 +153,21 @@ def test_multi_turn_grpo_step_calls_the_calculator_on_sglang(launch):
     m = launch[0]["dp2_grpo_tools"]["metrics"][1]
     assert m["multi_turn/tool_call_rate"] == 1.0 and m["training/rollout_probs_diff_max"] < 1e-3, m
     assert m["actor/grad_norm"] > 0, m
+
+
+def test_lora_adapters_reach_the_engine_merged(launch):
+    """GRPO with LoRA (rank 8, merge=true) at trainer TP2 on SGLang: the engine's token probabilities equal the
+    actor's (< 1e-3) on both steps, the second one after an update of the adapters; the engine holds the merged
+    weights bitwise; and the merge changed the base (so an engine left on the base weights would fail this)."""
+    for r in launch:
+        case = r["tp2_grpo_lora"]
+        assert case["layout"] == {"tp": 2, "dp": 1}
+        assert len(case["rollout_probs_diff_max"]) == 2 and max(case["rollout_probs_diff_max"]) < 1e-3, case
+        assert case["weights"]["missing"] == [] and case["weights"]["different"] == [], case["weights"]
+        assert case["lora_delta"] > 1e-3, case["lora_delta"]
+    metrics = launch[0]["tp2_grpo_lora"]["metrics"]
+    for step in (1, 2):
+        assert metrics[step]["training/rollout_probs_diff_max"] < 1e-3 and metrics[step]["actor/grad_norm"] > 0
 
 
 def test_two_engines_serve_every_layout(launch):

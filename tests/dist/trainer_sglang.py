@@ -85,6 +85,22 @@ def weights_vs_exporter(trainer) -> dict:
             "readable_after_release": kept is not None and torch.equal(kept, last[1])}
 
 
+def merged_vs_base(trainer, base_dir: Path) -> float:
+    """The largest change the trained adapters make to any base weight (the exporter merges them): > 0 shows that
+    what reached the engine was not just the base."""
+    from safetensors.torch import load_file
+
+    from mppo.models.weights import iter_hf_weights
+
+    base = {}
+    for file in sorted(base_dir.glob("*.safetensors")):
+        base.update(load_file(file))
+    worst = 0.0
+    for name, tensor in iter_hf_weights(trainer.actor.model, trainer.actor.hf_args):
+        worst = max(worst, (tensor.float() - base[name].float()).abs().max().item())
+    return worst
+
+
 def spy(trainer, events: list) -> dict:
     """Record SGLang's calls on this rank's engine, the trainer-state offload and the updates, in order; and the
     rollout vs actor token-probability difference of every update's batch."""
@@ -253,6 +269,8 @@ def run(args, result: dict) -> None:
             close(trainer)
             continue
         case["weights"] = weights_vs_exporter(trainer)
+        if cfg.actor_rollout_ref.model.lora.rank > 0:
+            case["lora_delta"] = merged_vs_base(trainer, Path(cfg.actor_rollout_ref.model.path))
         if trainer.trainer_state.roles:
             case["offload"] = offload_round_trip(trainer)
         result[name] = case
