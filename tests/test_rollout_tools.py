@@ -114,6 +114,19 @@ def test_a_tool_that_allocates_without_bound_is_cut_in_memory():
     assert _rss_mb() - before < 64  # the parent never held the tool's memory
 
 
+def test_a_free_hole_in_the_trainers_heap_does_not_lift_the_memory_cap():
+    """RLIMIT_AS counts address space, and a hole the trainer freed in the middle of its heap is address space
+    the fork already has: without reserving it first, a 256 MiB tool allocation fits there under a 128 MiB cap
+    (what CI saw after earlier tests fragmented the heap). A 300 MB hole is made here, pinned by its last object."""
+    filler = [bytes(1000) for _ in range(300_000)]  # below malloc's mmap threshold: they come from the heap
+    pin = filler[-1]
+    del filler
+    registry = {"alloc": lambda mb: f"allocated {len(bytearray(mb << 20)) >> 20} MiB"}
+    assert [run_tool_call(ToolCall("alloc", {"mb": mb}), timeout_s=30, max_chars=256, registry=registry,
+                          max_memory_mb=128) for mb in (256, 48)] == ["error: MemoryError: ", "allocated 48 MiB"]
+    assert len(pin) == 1000
+
+
 # --- the sandbox (issue 24 item 2): each test below fails on the old fork-and-kill-one-pid runner -----------------
 
 def _set_name(name: str) -> None:

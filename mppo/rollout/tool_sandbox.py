@@ -283,9 +283,55 @@ def _setrlimit(which: int, soft: int, hard: int) -> None:
     resource.setrlimit(which, (soft, hard))
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+_MIN_HOLE = 64 << 10  # free chunks below this are left: only small C allocations could reuse them
+_IS_MMAPPED = 0x2  # glibc's chunk header bit: the chunk is a mapping of its own
+
+
+def _reserve_free_heap() -> None:
+    """Allocate, without touching, the large free chunks the trainer's malloc already holds.
+
+    RLIMIT_AS caps new address space only: a free chunk inside the inherited heap (the trainer freed a large
+    tokenizer batch in the middle of it) would serve the tool's allocations beneath the cap (a 256 MiB bytearray
+    under a 128 MiB limit, seen in CI). Trimming returns the top of the heap; the holes are taken by allocations
+    of decreasing size, each kept only if it came from a hole: not a mapping of its own, the heap not grown
+    (untouched, so no page is copied). glibc only (mallinfo2, glibc >= 2.33); other allocators are not reserved."""
+    mallinfo2 = getattr(_libc, "mallinfo2", None) if _libc is not None else None
+    if mallinfo2 is None:
+        return
+    mallinfo2.restype = _MallInfo2
+    trim, malloc, free, sbrk = _libc.malloc_trim, _libc.malloc, _libc.free, _libc.sbrk
+    trim.argtypes, malloc.argtypes, free.argtypes, sbrk.argtypes = (
+        (ctypes.c_size_t,), (ctypes.c_size_t,), (ctypes.c_void_p,), (ctypes.c_ssize_t,))
+    malloc.restype, sbrk.restype = ctypes.c_void_p, ctypes.c_void_p
+    trim(0)
+    size = mallinfo2().fordblks - 64  # one walk of the free lists: it costs a pass over every free chunk
+    brk = sbrk(0)
+    for _ in range(256):
+        if size < _MIN_HOLE:
+            return
+        pointer = malloc(size)
+        if pointer is None:
+            size //= 2
+            continue
+        header = ctypes.c_size_t.from_address(pointer - ctypes.sizeof(ctypes.c_size_t)).value
+        if header & _IS_MMAPPED or sbrk(0) != brk:
+            free(pointer)
+            trim(0)
+            brk = sbrk(0)
+            size //= 2
+        # kept: it was a hole; the same size again, in case another hole holds it
+
+
 def _apply_limits(limits: SandboxLimits, cpu_s: int, process_limit: str) -> None:
     if limits.memory_mb is not None:
-        # the fork inherits the trainer's whole mapping (torch, the model): only new allocations count
+        # the fork inherits the trainer's whole mapping (torch, the model): only new allocations count, and the
+        # large free chunks malloc still holds are taken first
+        _reserve_free_heap()
         with open("/proc/self/status") as status:
             size_kb = next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
         cap = size_kb * 1024 + (limits.memory_mb << 20)
