@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
-$(STAMP): setup.py $(CONSTRAINTS)
+$(STAMP): setup.py mppo/versions.py $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -U pip
 	# torch first, from the constraints, so no dependency can resolve a multi-GB CUDA build.

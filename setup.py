@@ -1,11 +1,15 @@
 """mppo: a Megatron-style PPO/GRPO trainer for LLMs (torchrun/Slurm, no Ray)."""
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
-# megatron-core: 0.16.1 is the newest that declares Python 3.11 support; newer releases (0.17+, tested up to
-# 0.19.x with --ignore-requires-python) need Python >= 3.12. See README "Tested versions".
+# megatron-core: the tested range only (mppo/versions.py says why), read as text: nothing is installed yet.
+_VERSIONS = (Path(__file__).parent / "mppo" / "versions.py").read_text()
+MEGATRON_CORE = re.search(r'MEGATRON_CORE_SUPPORTED = "([^"]+)"', _VERSIONS).group(1)
 CORE = [
     "torch>=2.6",
-    "megatron-core>=0.14,<0.20",
+    f"megatron-core{MEGATRON_CORE}",
     "omegaconf>=2.3",
     "numpy",
     "transformers>=4.45",

@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mppo.versions import MEGATRON_CORE_PROVEN_ON, MEGATRON_CORE_SUPPORTED
+
 GPU_EXTRA = "pip install mppo[gpu]"
 MARK = "MPPO_DOCTOR "  # prefix of the JSON line a probe prints (imports may print other things)
 
@@ -31,12 +33,13 @@ class Package:
     dists: tuple[str, ...]  # distribution names that may carry its version
     supported: str | None  # PEP 440 specifier mppo supports
     hint: str  # how to install it
+    proven_on: str | None = None  # the release mppo's patches of its internals were probed on
 
 
 PACKAGES = (
     Package("torch", "torch", ("torch",), ">=2.6", "pip install torch (a CUDA build for GPUs: see pytorch.org)"),
-    Package("megatron-core", "megatron.core", ("megatron-core", "megatron_core"), ">=0.14,<0.20",
-            "pip install 'megatron-core>=0.14,<0.20'"),
+    Package("megatron-core", "megatron.core", ("megatron-core", "megatron_core"), MEGATRON_CORE_SUPPORTED,
+            f"pip install 'megatron-core{MEGATRON_CORE_SUPPORTED}'", MEGATRON_CORE_PROVEN_ON),
     Package("transformers", "transformers", ("transformers",), ">=4.45", "pip install 'transformers>=4.45'"),
     Package("Transformer Engine", "transformer_engine.pytorch",
             ("transformer-engine", "transformer_engine", "transformer-engine-cu12", "transformer_engine_torch"),
@@ -165,7 +168,11 @@ def probe_package(pkg: Package, timeout: float = 120.0) -> Check:
                      f"pip install '{pkg.dists[0]}{pkg.supported}'" if pkg.hint != GPU_EXTRA else pkg.hint, facts)
     if error:
         return Check(pkg.name, "import fails", version, f"import {pkg.module}: {error}", pkg.hint, facts)
-    return Check(pkg.name, "works", version, f"imports{supported}", None, facts)
+    proven = ""
+    if pkg.proven_on:  # mppo.parallel.cpu_compat patches its internals on CPU machines
+        proven = f"; CPU patches proven on {pkg.proven_on}" + ("" if version == pkg.proven_on else
+                                                                f", not on {version}: run make test")
+    return Check(pkg.name, "works", version, f"imports{supported}{proven}", None, facts)
 
 
 # ----------------------------------------------------------------------------------------------- GPU self-tests

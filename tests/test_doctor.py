@@ -156,3 +156,24 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_megatron_core_is_pinned_to_the_release_its_patches_were_proven_on(report_json, monkeypatch):
+    """setup.py requires the range of mppo/versions.py, which holds the release the CPU patches were probed on
+    (tests/test_models_parallel.py checks the installed one is it), and the doctor's verdict line says so."""
+    import runpy
+
+    import setuptools
+    from packaging.requirements import Requirement
+
+    from mppo.versions import MEGATRON_CORE_PROVEN_ON, MEGATRON_CORE_SUPPORTED
+
+    seen = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: seen.update(kwargs))  # what pip would be given
+    runpy.run_path(str(REPO / "setup.py"))
+    requires = {Requirement(r).name: Requirement(r).specifier for r in seen["install_requires"]}
+    assert str(requires["megatron-core"]) == str(Requirement(f"megatron-core{MEGATRON_CORE_SUPPORTED}").specifier)
+    assert requires["megatron-core"].contains(MEGATRON_CORE_PROVEN_ON)
+    assert not requires["megatron-core"].contains("0.17.0")  # the untested releases are refused
+    megatron = next(c for c in report_json["packages"] if c["name"] == "megatron-core")
+    assert f"CPU patches proven on {MEGATRON_CORE_PROVEN_ON}" in megatron["detail"], megatron

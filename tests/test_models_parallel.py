@@ -128,6 +128,14 @@ def test_every_cpu_compat_patch_is_still_needed(ranks):
             assert without not in ("no error", "no probe for this patch"), \
                 f"patch {name!r}: its call site works without it ({without}); remove the patch"
             assert r[f"cpu_compat/{name}/with"] == "ok", f"patch {name!r} does not make its call site work"
+    import importlib.metadata
+
+    from mppo.versions import MEGATRON_CORE_PROVEN_ON
+
+    installed = importlib.metadata.version("megatron-core")
+    assert installed == MEGATRON_CORE_PROVEN_ON, (
+        f"the probes above ran on megatron-core {installed}, mppo/versions.py says they were proven on "
+        f"{MEGATRON_CORE_PROVEN_ON}: if they all passed, set MEGATRON_CORE_PROVEN_ON (and the supported range)")
 
 
 LORA_LAYOUTS = ("tp2pp2", "tp2pp1", "tp1pp2", "tp1pp1")
