@@ -24,11 +24,11 @@ def test_every_case_is_a_valid_config_of_its_placement(tmp_path):
         cfg = load_config(str(DEFAULT_CONFIG), off_policy.case_overrides(opts, case, tmp_path, tmp_path / case),
                           world_size=ranks)
         assert cfg.actor_rollout_ref.hybrid_engine == (trainer_ranks == ranks), case
-        assert cfg.async_training.max_off_policy_steps == (1 if case == "k1" else 0), case
+        assert cfg.async_training.max_off_policy_steps == {"k1": 1, "k2": 2}.get(case, 0), case
         assert cfg.trainer.total_training_steps == opts.warmup + opts.steps + 1
         assert cfg.data.max_response_length == 64 and cfg.actor_rollout_ref.rollout.n == 4
     with pytest.raises(ValueError, match="--cases takes a comma list"):
-        off_policy.run(_opts(cases="k2"))
+        off_policy.run(_opts(cases="k3"))
 
 
 def test_summary_is_the_hand_computation_of_the_records():

@@ -6,7 +6,10 @@ References: the co-located 1-rank run of the same config (the real CLI under tor
 for k=0, which must give the same metrics; for k=1 the same step 1 (both generate it on the initial weights), then
 responses one version old (staleness 1, a rollout-vs-actor gap far above the co-located run's) generated while the
 previous step updated (the generation intervals the engine reports overlap the trainer's update phases); for a k=1
-run killed with a generation in flight and restarted, the uninterrupted k=1 run, bit for bit."""
+run killed with a generation in flight and restarted, the uninterrupted k=1 run, bit for bit. The same placements
+with a real sglang.Engine (SGLang's CPU tier) on the engine rank: the co-located 1-rank SGLang run for k=0, and k=1's
+first step (top_k=1, so SGLang's sampling, which ignores per-sample seeds on the CPU, cannot depend on how the
+scheduler batched the requests)."""
 from __future__ import annotations
 
 import os
@@ -66,7 +69,6 @@ def test_bad_placements_stop_in_one_line(assets, tmp_path):
         "max_off_policy_steps = 1 needs actor_rollout_ref.hybrid_engine=false": (
             ["async_training.max_off_policy_steps=1"], 1),
         "= 1 x 1 + 1 x 1 = 2, but the launch has 3 ranks": (SEPARATE, 3),
-        "only 0 and 1 are built": (SEPARATE + ["async_training.max_off_policy_steps=2"], 2),
         "actor_rollout_ref.rollout.n_gpus_per_node = 0": (SEPARATE + ["actor_rollout_ref.rollout.n_gpus_per_node=0"], 1),
         "multi_turn.enable=true with actor_rollout_ref.hybrid_engine=false": (
             SEPARATE + ["actor_rollout_ref.rollout.multi_turn.enable=true"], 2),
@@ -93,7 +95,8 @@ def runs(assets, tmp_path_factory) -> dict[str, tuple[list[str], Path, dict[int,
     common = tiny_overrides(assets, tmp / "x", world=1, steps=3) + dense_reward(assets) + [
         "trainer.save_freq=-1", "trainer.test_freq=2"]
     plans = {"colocated": (1, []), "k0": (2, SEPARATE),
-             "k1": (2, SEPARATE + ["async_training.max_off_policy_steps=1", "trainer.total_training_steps=4"])}
+             "k1": (2, SEPARATE + ["async_training.max_off_policy_steps=1", "trainer.total_training_steps=4"]),
+             "k2": (2, SEPARATE + ["async_training.max_off_policy_steps=2", "trainer.total_training_steps=4"])}
     out = {}
     for name, (world, extra) in plans.items():
         overrides = common + extra + [f"trainer.default_local_dir={tmp / name}"]
@@ -128,14 +131,68 @@ def test_separate_placement_sync_equals_colocated_and_one_step_off_policy_overla
             assert 0 <= k1[step][key] <= 1 and 0 <= k0[step][key] <= 1, (step, key)
 
 
-def test_one_step_off_policy_kill_and_resume_continues_identically(runs, tmp_path):
+SGLANG = ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+          "actor_rollout_ref.rollout.top_k=1"]
+
+
+@pytest.fixture(scope="module")
+def sglang_runs(assets, tmp_path_factory) -> dict[str, dict[int, dict]]:
+    """Co-located 1-rank, separate k=0 and separate k=1 runs (3 steps) on SGLang: each one's metrics."""
+    tmp = tmp_path_factory.mktemp("sglang_runs")
+    common = tiny_overrides(assets, tmp / "x", world=1, steps=3) + dense_reward(assets) + SGLANG + [
+        "trainer.save_freq=-1", "trainer.test_freq=2"]
+    plans = {"colocated": (1, []), "k0": (2, SEPARATE), "k1": (2, SEPARATE + ["async_training.max_off_policy_steps=1"])}
+    out = {}
+    for name, (world, extra) in plans.items():
+        train(world, common + extra + [f"trainer.default_local_dir={tmp / name}"])
+        out[name] = step_metrics(tmp / name)
+    return out
+
+
+def test_sglang_on_the_separate_placement(sglang_runs):
+    """1 trainer rank + 1 rank holding a real sglang.Engine: k=0 gives the co-located SGLang run's step 1-3 metrics
+    (1e-4; the engine's log-probs equal the actor's after every sync across the split), k=1 its step 1, then
+    responses one version old."""
+    co, k0, k1 = (sglang_runs[name] for name in ("colocated", "k0", "k1"))
+    assert sorted(co) == sorted(k0) == sorted(k1) == [0, 1, 2, 3]
+    for step in (1, 2, 3):
+        keys = [k for k in co[step] if not k.startswith(NOT_COMPARED)]
+        assert len(keys) > 30 and set(keys) <= set(k0[step]), set(keys) - set(k0[step])
+        for key in keys:
+            assert k0[step][key] == pytest.approx(co[step][key], rel=1e-4, abs=1e-6), (step, key)
+        assert k0[step]["training/rollout_probs_diff_max"] < 1e-6, step
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "training/rollout_probs_diff_max"):
+        assert k1[1][key] == pytest.approx(co[1][key], rel=1e-4, abs=1e-6), key
+    for step in (2, 3):
+        assert k1[step]["async/staleness/mean"] == k1[step]["async/staleness/max"] == 1, step
+        assert k1[step]["training/rollout_probs_diff_max"] > 10 * co[step]["training/rollout_probs_diff_max"], step
+
+
+def test_two_step_off_policy_runs_up_to_two_versions_behind(runs):
+    """k=2: step 1 is the co-located run's; steps 2 and 3 were both asked for after step 1's rollout, on the
+    initial weights (staleness 1, then 2), step 4 after step 2's on version 1 (staleness 2): the engines took the
+    next requests and the new weights while they generated."""
+    co, k1, k2 = (runs[name][2] for name in ("colocated", "k1", "k2"))
+    assert sorted(k2) == [0, 1, 2, 3, 4]
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "training/rollout_probs_diff_max"):
+        assert k2[1][key] == pytest.approx(co[1][key], rel=1e-4, abs=1e-6), key
+    assert [k2[step]["async/staleness/max"] for step in (1, 2, 3, 4)] == [0, 1, 2, 2]
+    assert [k2[step]["async/staleness/mean"] for step in (1, 2, 3, 4)] == [0, 1, 2, 2]
+    # step 2's batch is k=1's (the same request on the same initial weights); step 3's is older than k=1's
+    assert k2[2]["critic/score/mean"] == pytest.approx(k1[2]["critic/score/mean"], rel=1e-6)
+    assert k2[3]["training/rollout_probs_diff_max"] > k1[3]["training/rollout_probs_diff_max"]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_off_policy_kill_and_resume_continues_identically(runs, tmp_path, k):
     """k=1, killed in step 3's actor update (the checkpoint after step 2 written while the engine generated step 3
     on version 1; step 4's generation in flight on version 2), then restarted: the resumed run trains step 3 on the
     rollout the checkpoint kept and its steps 3-4 (and everything before) equal the uninterrupted k=1 run's, to the
-    bit (timing aside). A resume that regenerated step 3 on the checkpoint's weights would be one version newer."""
+    bit (timing aside). A resume that regenerated step 3 on the checkpoint's weights would be one version newer.
+    k=2: the checkpoint after step 2 keeps steps 3 and 4's generations (versions 0 and 1), the same way."""
     from reliability_launch import train as launch
 
-    overrides, _, want = runs["k1"]
+    overrides, _, want = runs[f"k{k}"]
     run_dir = tmp_path / "crashed"
     overrides = overrides + [f"trainer.default_local_dir={run_dir}", "trainer.save_freq=2"]
     killed = launch(overrides, env={"MPPO_FAULT": "kill@step:3:phase:update_actor"}, log=tmp_path / "killed.log",
@@ -145,12 +202,14 @@ def test_one_step_off_policy_kill_and_resume_continues_identically(runs, tmp_pat
     resumed = launch(overrides, log=tmp_path / "resumed.log", timeout=900)
     assert resumed.returncode == 0, resumed.output[-4000:]
     assert f"resumed from {run_dir / 'checkpoints' / 'global_step_2'} (step 2)" in resumed.output
-    assert "restored the generation in flight at the checkpoint: step 3's responses (policy version 1)" in \
-        resumed.output
+    restored = {1: [(3, 1)], 2: [(3, 0), (4, 1)]}[k]
+    for step, version in restored:
+        assert (f"restored the generation in flight at the checkpoint: step {step}'s responses (policy version "
+                f"{version})") in resumed.output, resumed.output[-3000:]
     got = step_metrics(run_dir)
     assert sorted(got) == sorted(want) == [0, 1, 2, 3, 4]
     for step in want:
         keys = {k for k in want[step] if not k.startswith(NOT_COMPARED)}
         assert keys == {k for k in got[step] if not k.startswith(NOT_COMPARED)}, step
         assert {k: got[step][k] for k in keys} == {k: want[step][k] for k in keys}, step
-    assert got[3]["async/staleness/max"] == got[4]["async/staleness/max"] == 1
+    assert got[3]["async/staleness/max"] == got[4]["async/staleness/max"] == k

@@ -1,8 +1,8 @@
-"""`mppo bench off-policy`: step throughput of co-located, separate k=0 and separate k=1 GRPO on long-tail lengths.
+"""`mppo bench off-policy`: step throughput of co-located, separate k=0, k=1 and k=2 GRPO on long-tail lengths.
 
-    mppo bench off-policy [key=value ...] [--warmup 1 --steps 4] [--cases colocated-1,colocated-2,k0,k1]
+    mppo bench off-policy [key=value ...] [--warmup 1 --steps 4] [--cases colocated-1,colocated-2,k0,k1,k2]
 
-Four launches of the real trainer (`fit`, as `mppo train` runs it) under torchrun, one thread per rank, on bench
+Five launches of the real trainer (`fit`, as `mppo train` runs it) under torchrun, one thread per rank, on bench
 assets made locally (mppo.bench.assets: countdown prompts, a random Qwen2 whose per-token stop probability makes
 response lengths geometric, capped at data.max_response_length: a long tail whose longest response is ~4x the median
 at the defaults, printed per run):
@@ -12,6 +12,8 @@ at the defaults, printed per run):
     k0            1 trainer rank + 1 engine rank (actor_rollout_ref.hybrid_engine=false), synchronous
     k1            the same split, one-step off-policy (async_training.max_off_policy_steps=1): the engine generates
                   step s+1 while the trainer trains step s
+    k2            the same split, two steps ahead (max_off_policy_steps=2): the engine generates steps s+1 and s+2
+                  while the trainer trains step s
 
 Which is fair: colocated-2 against the split runs (both use 2 ranks, 2 threads): the split gives the engine and the
 trainer one rank each where co-location gives both phases both ranks, so the split wins only by overlapping them.
@@ -45,6 +47,7 @@ CASES = {  # name -> (ranks, trainer ranks, overrides)
     "colocated-2": (2, 2, []),
     "k0": (2, 1, SEPARATE),
     "k1": (2, 1, SEPARATE + ["async_training.max_off_policy_steps=1"]),
+    "k2": (2, 1, SEPARATE + ["async_training.max_off_policy_steps=2"]),
 }
 
 

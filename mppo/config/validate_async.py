@@ -25,12 +25,11 @@ def check_async(cfg: MppoConfig, world_size: int | None) -> tuple[int, str] | No
     trainer's world (what megatron's TP/PP/DP is built over) and how it was found; None co-located."""
     k = cfg.async_training.max_off_policy_steps
     if k < 0:
-        raise ConfigError(f"{K} = {show(k)}: must be >= 0 (0: synchronous, 1: one-step off-policy)")
+        raise ConfigError(f"{K} = {show(k)}: must be >= 0 (0: synchronous, 1: one-step off-policy, k: up to k "
+                          "steps behind)")
     if k > 0 and not is_separate(cfg):
         raise ConfigError(f"{K} = {k} needs {HYBRID}=false: co-located ranks cannot generate while they train; set "
                           f"{HYBRID}=false with actor_rollout_ref.rollout.n_gpus_per_node engine ranks, or {K}=0")
-    if k > 1:
-        raise ConfigError(f"{K} = {k}: only 0 and 1 are built (one engine batch in flight at most); set {K}=1")
     if not is_separate(cfg):
         return None
     if cfg.actor_rollout_ref.rollout.multi_turn.enable:

@@ -94,20 +94,25 @@ def plan_placement(world: int, local_world: int, *, trainer_nnodes: int, trainer
 class Bridge:
     """Process groups over the ranks of the launch, across the split. `src` arguments are global ranks.
 
-    `control`: gloo over every rank of the launch, for small messages (torch.save, read back with weights_only) and rollout results;
+    `control`: gloo over every rank of the launch, for the trainer's small messages (torch.save, read back with
+    weights_only); `answers`: the same ranks, for the engines' rollout results (a group of its own, so the engines
+    can answer one request while the next ones and the weights arrive: mppo.rollout.remote);
     `weight_control` (gloo) and `weights` (gloo on CPU, NCCL on GPUs): over the first trainer rank and the engine
     ranks (`weight_ranks`), for bucket layouts and the bytes of the weight stream. `device`: where the weight
     stream's tensors live on this rank. Ranks outside the weight ranks hold None for those two."""
 
-    def __init__(self, control: Any, weight_control: Any | None, weights: Any | None,
+    def __init__(self, control: Any, answers: Any, weight_control: Any | None, weights: Any | None,
                  weight_ranks: tuple[int, ...], rank: int, world: int, device: torch.device) -> None:
-        self.control, self.weight_control, self.weights = control, weight_control, weights
+        self.control, self.answers, self.weight_control, self.weights = control, answers, weight_control, weights
         self.weight_ranks, self.rank, self.world, self.device = weight_ranks, rank, world, device
 
-    def broadcast_object(self, obj: Any, src: int, *, weights: bool = False) -> Any:
-        """`obj` of global rank `src` on every rank of the group (control, or with `weights` the weight ranks):
-        one length and one payload broadcast."""
-        group, root = (self.weight_control, self.weight_ranks.index(src)) if weights else (self.control, src)
+    def broadcast_object(self, obj: Any, src: int, *, weights: bool = False, answers: bool = False) -> Any:
+        """`obj` of global rank `src` on every rank of the group (control; with `answers` the answers group, with
+        `weights` the weight ranks): one length and one payload broadcast."""
+        if weights:
+            group, root = self.weight_control, self.weight_ranks.index(src)
+        else:
+            group, root = (self.answers if answers else self.control), src
         payload = None
         if self.rank == src:
             buffer = io.BytesIO()
@@ -128,7 +133,7 @@ class Bridge:
         _broadcast(self.weights, tensor, 0)
 
     def shutdown(self) -> None:
-        for group in (self.weights, self.weight_control, self.control):
+        for group in (self.weights, self.weight_control, self.answers, self.control):
             if group is not None and hasattr(group, "shutdown"):
                 group.shutdown()
 
@@ -168,6 +173,7 @@ def init_placement(placement: Placement, *, timeout_s: float) -> Side:
                             rank=ranks.index(rank), world_size=len(ranks), timeout=timeout,
                             device_id=device if cuda else None)
     control = dist.ProcessGroupGloo(dist.PrefixStore("mppo/bridge/control", store), rank, world, timeout)
+    answers = dist.ProcessGroupGloo(dist.PrefixStore("mppo/bridge/answers", store), rank, world, timeout)
     weight_ranks = (placement.trainer_ranks[0], *placement.engine_ranks)
     weight_control = weights = None
     if rank in weight_ranks:
@@ -179,7 +185,7 @@ def init_placement(placement: Placement, *, timeout_s: float) -> Side:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             weights = dist.ProcessGroupNCCL(dist.PrefixStore("mppo/bridge/weights", store), index, size, options)
-    return Side(role, placement, Bridge(control, weight_control, weights, weight_ranks, rank, world, device))
+    return Side(role, placement, Bridge(control, answers, weight_control, weights, weight_ranks, rank, world, device))
 
 
 __all__ = ["ENGINE", "TRAINER", "Bridge", "Placement", "PlacementError", "Side", "init_placement",

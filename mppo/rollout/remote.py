@@ -12,20 +12,27 @@ at a time, in order:
               every response (with the weight version and the engine's generation interval) to every rank
     stop      the engines shut down
 
-Every rank of the launch takes part in each control and result broadcast (trainer ranks other than the first only
-receive), so both sides must see the same sequence. The engine serves one message after the other, so
-`RemoteRollout` keeps at most one generation outstanding and collects it before it sends anything else:
-`prefetch` sends a request and returns at once (the engines generate while the trainer trains: the off-policy
-pipeline), the next `generate` of the same request, `sync_weights` or `shutdown` receives its responses first.
-A new weight version therefore waits for the generation in flight; there are no partial rollouts.
+Every rank of the launch takes part in each control and answer broadcast (trainer ranks other than the first only
+receive), so both sides see the same sequences. Messages and answers travel on two groups of their own
+(mppo.parallel.placement.Bridge), and on the engine ranks a receiver thread takes every message as it comes (a
+weight stream is received whole, into fresh host buffers) and queues it, and a sender thread broadcasts the answers,
+while the main thread serves the queue in order. So the trainer can keep up to k generations outstanding
+(async_training.max_off_policy_steps = k; `prefetch` sends a request and returns at once) and push a new weight
+version while they run: the engines load it after the generations asked for before it, and the requests after it
+run on it. `generate` of a prefetched request collects the answers up to its own, in order. An answer the
+trainer has not collected yet waits on the sender thread (bounded by trainer.collective_timeout_s); a new weight
+version waits for the generations in flight before it: there are no partial rollouts.
 
 A checkpoint keeps the generation in flight (`prefetched`, `restore`; written by mppo.trainer.offpolicy): a resumed
 run trains on the very responses the uninterrupted run would have, generated on the weights one version back.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import queue
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -106,7 +113,9 @@ class _BridgeSender:
 
 
 def _received_buckets(side: Side) -> Iterator[list[NamedTensor]]:
-    """The engine ranks' side of _BridgeSender: buckets of views into freshly received buffers."""
+    """The engine ranks' side of _BridgeSender: buckets of views into freshly received buffers, in host memory (a
+    bucket received on a GPU is copied out at once: versions queued behind generations must not hold GPU memory
+    the engine needs; `_on_device` brings them back one bucket at a time as the engine loads them)."""
     bridge = side.bridge
     while True:
         head = bridge.broadcast_object(None, bridge.weight_ranks[0], weights=True)
@@ -115,7 +124,16 @@ def _received_buckets(side: Side) -> Iterator[list[NamedTensor]]:
         layout, nbytes = head
         flat = torch.empty(nbytes, dtype=torch.uint8, device=bridge.device)
         bridge.broadcast_weights(flat)
+        if flat.is_cuda:
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            flat = host.copy_(flat)
         yield _unpack_bucket(layout, flat)
+
+
+def _on_device(buckets: list[list[NamedTensor]], device: torch.device) -> Iterator[list[NamedTensor]]:
+    """A received weight stream on `device`, one bucket at a time."""
+    for bucket in buckets:
+        yield [(name, tensor.to(device, non_blocking=True)) for name, tensor in bucket]
 
 
 # ---------------------------------------------------------------------------------------------- the trainer's side
@@ -127,23 +145,21 @@ class RemoteRollout:
         self.side, self.bridge = side, side.bridge
         self.name = cfg.actor_rollout_ref.rollout.name
         self._driver, self._engine0 = side.placement.trainer_ranks[0], side.placement.engine_ranks[0]
-        self.engine_version: int | None = None  # the weight version the engines hold
-        self._outstanding: _Request | None = None
+        self.engine_version: int | None = None  # the weight version the engines hold (or will, once queued)
+        self._outstanding: collections.deque[_Request] = collections.deque()  # asked for, in request order
         self._ready: list[_Request] = []  # collected, not yet asked for
         self.records: list[GenerationRecord] = []  # since the last take_records()
         self.last_record: GenerationRecord | None = None  # the generation the last generate() returned
         self._send({"op": "hello", "dtype": str(dtype).removeprefix("torch.")})
 
     def _send(self, message: dict[str, Any]) -> None:
-        self._collect()  # the engines take the next message only after answering the last
         self.bridge.broadcast_object(message if self.bridge.rank == self._driver else None, self._driver)
 
-    def _collect(self) -> None:
-        request, self._outstanding = self._outstanding, None
-        if request is None:
-            return
+    def _collect_one(self) -> None:
+        """The answer to the oldest outstanding request (the engines answer in request order)."""
+        request = self._outstanding.popleft()
         began = time.perf_counter()
-        answer = self.bridge.broadcast_object(None, self._engine0)
+        answer = self.bridge.broadcast_object(None, self._engine0, answers=True)
         wait = time.perf_counter() - began
         version = answer["version"]
         request.received = [dataclasses.replace(r, policy_version=version) for r in unpack_responses(answer["packed"])]
@@ -153,8 +169,9 @@ class RemoteRollout:
 
     def sync_weights(self, model_chunks: Sequence[nn.Module], hf_args: HFModelArgs, *, bucket_bytes: int,
                      trainer_state: Any = None, version: int = 0) -> SyncStats:
-        """The actor's weights as `version` into every engine (nothing moves when they hold it already).
-        `trainer_state` is not offloaded: no engine shares the trainer's memory."""
+        """The actor's weights as `version` into every engine (nothing moves when they hold it already); the
+        engines load them after the generations already asked for. `trainer_state` is not offloaded: no engine
+        shares the trainer's memory."""
         if self.engine_version == version:
             return SyncStats(bytes=0, seconds=0.0, buckets=0)
         self._send({"op": "weights", "version": version})
@@ -165,24 +182,26 @@ class RemoteRollout:
 
     def prefetch(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, step: int,
                  first_index: int = 0) -> None:
-        """Ask the engines for `generate(prompts, ...)` now, on the weights they hold, and return at once."""
+        """Ask the engines for `generate(prompts, ...)` on the weights they hold once the requests before it are
+        served, and return at once (nothing when this request is asked for already)."""
         key = request_key(prompts, sampling, step, first_index)
+        if any(r.key == key for r in (*self._outstanding, *self._ready)):
+            return
         self._send({"op": "generate", "prompts": [list(p) for p in prompts], "sampling": dataclasses.asdict(sampling),
                     "step": step, "first_index": first_index})
-        self._outstanding = _Request(key)
+        self._outstanding.append(_Request(key))
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, step: int,
                  first_index: int = 0, agent: Any = None) -> list[RolloutResponse]:
         """Every response to the GLOBAL `prompts`, on every trainer rank: a prefetched generation of the same
         request if there is one (whatever weights it ran on: each response carries its `policy_version`), else
-        one on the engines' current weights."""
+        one on the engines' weights after the requests outstanding."""
         if agent is not None:
             raise ValueError("multi-turn rollout is not built for actor_rollout_ref.hybrid_engine=false")
         key = request_key(prompts, sampling, step, first_index)
-        if self._outstanding is None or self._outstanding.key != key:
-            if not any(r.key == key for r in self._ready):
-                self.prefetch(prompts, sampling, step=step, first_index=first_index)
-        self._collect()
+        self.prefetch(prompts, sampling, step=step, first_index=first_index)
+        while not any(r.key == key for r in self._ready):
+            self._collect_one()
         request = self._ready.pop(next(i for i, r in enumerate(self._ready) if r.key == key))
         self.last_record = request.record
         return request.received
@@ -190,13 +209,14 @@ class RemoteRollout:
     def has_prefetched(self) -> bool:
         """Whether a prefetched generation is in flight or collected and not yet asked for (the same on every
         trainer rank: they all make the same calls)."""
-        return self._outstanding is not None or bool(self._ready)
+        return bool(self._outstanding) or bool(self._ready)
 
     def prefetched(self) -> list[tuple[tuple, list[RolloutResponse], GenerationRecord]]:
-        """The prefetched generations not yet asked for, as (request key, responses, record), the one in flight
+        """The prefetched generations not yet asked for, as (request key, responses, record), those in flight
         collected first (a wait on every rank: the checkpoint that keeps them calls this after writing the models,
         so the engines finish meanwhile). They stay here for the `generate` that asks for them."""
-        self._collect()
+        while self._outstanding:
+            self._collect_one()
         return [(r.key, r.received, r.record) for r in self._ready]
 
     def restore(self, key: tuple, responses: list[RolloutResponse], record: GenerationRecord) -> None:
@@ -212,6 +232,9 @@ class RemoteRollout:
         """Nothing to free: the engines keep their weights and KV cache (no trainer state shares their memory)."""
 
     def shutdown(self) -> None:
+        """Stop the engines, after collecting what they were asked for (their sender threads wait to answer it)."""
+        while self._outstanding:
+            self._collect_one()
         self._send({"op": "stop"})
         self._ready.clear()
 
@@ -225,12 +248,23 @@ def request_key(prompts: Sequence[Sequence[int]], sampling: SamplingParams | str
 
 # ---------------------------------------------------------------------------------------------- the engines' side
 def serve_engine(cfg: MppoConfig, side: Side, *, run_dir: Path) -> int:
-    """The engine ranks' program: start the engines, serve the trainer's messages until `stop`."""
-    bridge, driver = side.bridge, side.placement.trainer_ranks[0]
+    """The engine ranks' program: start the engines, serve the trainer's messages in order until `stop`."""
+    bridge = side.bridge
     is_first = bridge.rank == side.placement.engine_ranks[0]
+    inbox: queue.Queue = queue.Queue()
+    outbox: queue.Queue = queue.Queue()
+    failed: list[BaseException] = []  # the sender thread's error, raised here (the trainer would only time out)
+    receiver = threading.Thread(target=_receive, args=(side, inbox), name="mppo-rollout-inbox", daemon=True)
+    sender = threading.Thread(target=_answer, args=(side, outbox, failed), name="mppo-rollout-outbox", daemon=True)
+    receiver.start()
+    sender.start()
     rollout, version = None, None
     while True:
-        message = bridge.broadcast_object(None, driver)
+        message = inbox.get()
+        if isinstance(message, BaseException):  # the receiver failed: so does the engine side, with its error
+            raise message
+        if failed:
+            raise failed[0]
         op = message["op"]
         if op == "stop":
             break
@@ -240,7 +274,7 @@ def serve_engine(cfg: MppoConfig, side: Side, *, run_dir: Path) -> int:
                                     layout=launch_layout(cfg.actor_rollout_ref.rollout.tensor_model_parallel_size,
                                                          local_world=side.placement.engines_per_node))
         elif op == "weights":
-            rollout.engine.update_weights(_received_buckets(side))
+            rollout.engine.update_weights(_on_device(message["buckets"], bridge.device))
             rollout.engine.resume()
             version = message["version"]
         elif op == "generate":
@@ -248,12 +282,47 @@ def serve_engine(cfg: MppoConfig, side: Side, *, run_dir: Path) -> int:
             responses = rollout.generate(message["prompts"], SamplingParams(**message["sampling"]),
                                          step=message["step"], first_index=message["first_index"])
             answer = {"version": version, "start": start, "end": time.time(), "packed": pack_responses(responses)}
-            bridge.broadcast_object(answer if is_first else None, side.placement.engine_ranks[0])
+            outbox.put(answer if is_first else None)
         else:
             raise ValueError(f"unknown rollout message {op!r}")
+    outbox.put(_STOP)
+    sender.join()  # every answer is out (the trainer collects them all before it sends stop)
+    receiver.join()
     if rollout is not None:
         rollout.shutdown()
     return 0
+
+
+_STOP = object()  # the main thread to the sender thread: every answer is queued
+
+
+def _receive(side: Side, inbox: queue.Queue) -> None:
+    """The engine ranks' receiver thread: every message of the first trainer rank, as it comes, into `inbox`; a
+    weight stream is received whole first (the engines may be generating: they load it when they get to it)."""
+    bridge, driver = side.bridge, side.placement.trainer_ranks[0]
+    try:
+        while True:
+            message = bridge.broadcast_object(None, driver)
+            if message["op"] == "weights":
+                message["buckets"] = list(_received_buckets(side))
+            inbox.put(message)
+            if message["op"] == "stop":
+                return
+    except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
+        inbox.put(exc)
+
+
+def _answer(side: Side, outbox: queue.Queue, failed: list[BaseException]) -> None:
+    """The engine ranks' sender thread: each answer (the first engine rank's; None elsewhere) to every rank, in
+    order, so the engines go on generating while the trainer has not collected it yet. Its error goes to
+    `failed`, which the main thread raises at its next message."""
+    root = side.placement.engine_ranks[0]
+    try:
+        while (answer := outbox.get()) is not _STOP:
+            side.bridge.broadcast_object(answer, root, answers=True)
+    except BaseException as exc:  # noqa: BLE001 - raised by the main thread
+        log.exception("the engine side could not send a rollout answer to the trainer")
+        failed.append(exc)
 
 
 __all__ = ["GenerationRecord", "RemoteRollout", "request_key", "serve_engine"]

@@ -16,9 +16,10 @@ exactly veRL's whatever the layout.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -108,7 +109,8 @@ class PPOTrainer:
         self.kl_ctrl = core_algos.get_kl_controller(kc.type, kc.kl_coef, target_kl=kc.target_kl, horizon=kc.horizon)
         self._owns_rollout = rollout is None
         self.rollout = roles.start_rollout(cfg, rollout, models, self.watchdog, self.run_dir, side=side)
-        self.off_policy = cfg.async_training.max_off_policy_steps > 0  # generate step s+1 while step s trains
+        # k > 0: the engines generate steps s+1 .. s+k while step s trains
+        self.off_policy_steps = cfg.async_training.max_off_policy_steps
         self.pipeline = offpolicy.PipelineMetrics()
         self.train_sampling = components.train_sampling(cfg, self.data.tokenizer)
         self.val_sampling = components.val_sampling(cfg, self.data.tokenizer)
@@ -175,10 +177,11 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ one step
     def train_step(self, prompts: PromptBatch, more_prompts: Callable[[], PromptBatch] | None = None,
-                   next_prompts: PromptBatch | None = None) -> dict[str, float]:
+                   next_prompts: Sequence[PromptBatch] = ()) -> dict[str, float]:
         """One PPO step on `prompts`; with dynamic sampling (algorithm.filter_groups) `more_prompts` gives the
         further generation batches (none: the first batch is all there is). `next_prompts` (the off-policy
-        pipeline): the next step's, whose generation the engines start once this step's rollout is in."""
+        pipeline): the next steps', whose generations the engines start (those not asked for yet) once this
+        step's rollout is in."""
         timer, metrics, step_start = StepTimer(), {}, time.time()
         temperature = self.cfg.actor_rollout_ref.rollout.temperature
         with self.phase(timer, "step"):
@@ -192,9 +195,9 @@ class PPOTrainer:
                     metrics.update(sampling_metrics)
                 self.rollout.release()
             batch_record = getattr(self.rollout, "last_record", None)
-            if next_prompts is not None:  # the engines generate step s+1 on these weights while step s trains
-                self.rollout.prefetch(offpolicy.prompt_ids(next_prompts.input_ids, next_prompts.attention_mask),
-                                      self.train_sampling, step=self.step + 1)
+            for ahead, upcoming in enumerate(next_prompts, start=1):  # generated while this step trains
+                self.rollout.prefetch(offpolicy.prompt_ids(upcoming.input_ids, upcoming.attention_mask),
+                                      self.train_sampling, step=self.step + ahead)
             gen_done = time.time()
             if self.rollout_corr.bypass:  # rollout correction's bypass mode: the engine's log-probs are the old ones
                 batch["old_log_probs"] = batch["rollout_log_probs"]
@@ -401,12 +404,16 @@ class PPOTrainer:
                    dynamic_ncols=True)
         loader = self.data.train_loader
         batches = _endless(loader)  # one stream: dynamic sampling may take several batches in a step
-        upcoming = None  # the off-policy pipeline's next step's prompts, taken one step early
+        # the off-policy pipeline's next k steps' prompts, taken k steps early, each with the loader's state before
+        # it was taken (a checkpoint after this step resumes with the first of them)
+        upcoming: collections.deque[tuple[dict, PromptBatch]] = collections.deque()
         while self.step < self.total_steps:
-            prompts = upcoming if upcoming is not None else next(batches)
-            loader_state = loader.state_dict()  # a checkpoint after this step resumes with the next step's prompts
-            upcoming = next(batches) if self.off_policy and self.step + 1 < self.total_steps else None
-            metrics = self.train_step(prompts, more_prompts=lambda: next(batches), next_prompts=upcoming)
+            prompts = upcoming.popleft()[1] if upcoming else next(batches)
+            while len(upcoming) < min(self.off_policy_steps, self.total_steps - self.step - 1):
+                upcoming.append((loader.state_dict(), next(batches)))
+            loader_state = upcoming[0][0] if upcoming else loader.state_dict()
+            metrics = self.train_step(prompts, more_prompts=lambda: next(batches),
+                                      next_prompts=[batch for _, batch in upcoming])
             self.step += 1
             self._count_skips(metrics)
             metrics["training/epoch"] = loader.epoch
@@ -422,7 +429,7 @@ class PPOTrainer:
                              ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "response_length/mean")
                              if k in metrics}, refresh=False)
             if (cfg.save_freq > 0 and self.step % cfg.save_freq == 0) or last:
-                self.save_checkpoint(loader_state if upcoming is not None else None)
+                self.save_checkpoint(loader_state if upcoming else None)
         bar.close()
         if self._owns_rollout:
             self.rollout.shutdown()
