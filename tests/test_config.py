@@ -754,8 +754,13 @@ def test_every_schema_key_is_settable_by_override():
      "actor_rollout_ref.model.lora.target_modules = 'qkv' is not a module LoRA can adapt"),
     (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.exclude_modules=[all-linear]"],
      "leaves nothing to adapt"),
-    (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.merge=false"],
-     "actor_rollout_ref.model.lora.merge = false: pushing adapters to the engine without merging is not built"),
+    (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.merge=false",
+      "actor_rollout_ref.rollout.name=cpu"],
+     "actor_rollout_ref.model.lora.merge = false pushes only the adapters, to SGLang's LoRA support; the 'cpu' "
+     "engine takes merged weights: set merge=true or actor_rollout_ref.rollout.name=sglang"),
+    (["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.merge=false",
+      "actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.hybrid_engine=false"],
+     "adapter-only sync across the separate placement is not built; set merge=true"),
     (["critic.model.lora.rank=8"], "unknown key 'critic.model.lora.rank'"),  # the critic trains full weights
 ])
 def test_lora_errors_are_one_line_naming_the_key(overrides, expected):

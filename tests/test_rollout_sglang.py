@@ -171,9 +171,10 @@ class FakeSGLangEngine:
         self.calls.append(("resume", tuple(tags)))
         self.released -= set(tags)
 
-    def generate(self, input_ids=None, sampling_params=None, return_logprob=False):
+    def generate(self, input_ids=None, sampling_params=None, return_logprob=False, lora_path=None):
         assert return_logprob and not self.released and not self.session
-        self.calls.append(("generate", len(input_ids)))
+        self.calls.append(("generate", len(input_ids)) if lora_path is None else ("generate", len(input_ids),
+                                                                                  lora_path[0]))
         outputs = []
         for ids, params in zip(input_ids, sampling_params, strict=True):
             assert params["n"] == 1
@@ -183,6 +184,15 @@ class FakeSGLangEngine:
                 "meta_info": {"finish_reason": finish, "output_token_logprobs": [(lp, t, None) for lp, t in zip(log_probs, tokens)]},
             })
         return outputs
+
+    def load_lora_adapter_from_tensors(self, lora_name, tensors, config_dict, load_format=None):
+        self.calls.append(("load_lora", lora_name))
+        ok = lora_name not in self.server_args.get("fail_lora", ())
+        return SimpleNamespace(success=ok, error_message="" if ok else "injected failure")
+
+    def unload_lora_adapter(self, lora_name):
+        self.calls.append(("unload_lora", lora_name))
+        return SimpleNamespace(success=True, error_message="")
 
     def shutdown(self):
         self.calls.append("shutdown")
@@ -414,6 +424,43 @@ def test_memory_dance_order_and_generation():
     assert again == first
     engine.shutdown()
     assert fake.calls[-1] == "shutdown"
+
+
+def test_adapter_only_engine_keeps_the_base_and_serves_only_with_an_adapter():
+    """lora= (lora.merge=false): the server args ask SGLang for LoRA support, a release frees the KV cache only
+    (once, however often it is called) and keeps the base, each adapter replaces the previous one, every request
+    names it, and an engine without an adapter (none yet, or the last load failed) refuses to generate."""
+    api, engines = fake_api(InProcessIPC())
+    engine = SGLangRolloutEngine("/ckpt", gpu_memory_utilization=0.5, api=api,
+                                 lora={"rank": 8, "target_modules": ["q_proj", "v_proj"]},
+                                 server_args={"fail_lora": ["mppo-adapter-2"]})
+    fake = engines[0]
+    assert {k: fake.server_args[k] for k in ("enable_lora", "max_lora_rank", "lora_target_modules",
+                                             "max_loras_per_batch")} == {
+        "enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["q_proj", "v_proj"], "max_loras_per_batch": 1}
+    assert "lora_backend" not in fake.server_args  # SGLang's own choice on GPUs; torch_native on the CPU tier
+    _, buckets = weight_stream()
+    with pytest.raises(RolloutStateError, match="update_weights"):
+        engine.update_adapter({}, {})
+    engine.update_weights(buckets)
+    with pytest.raises(RolloutStateError, match="holds no adapter"):
+        engine.generate([[1, 2]], SAMPLING, step=0)
+    engine.update_adapter({}, {"r": 8})
+    fake.calls.clear()
+    engine.generate([[1, 2]], SAMPLING, step=0)
+    engine.release()
+    engine.release()
+    assert engine.weights_loaded
+    engine.update_adapter({}, {"r": 8})
+    engine.resume()
+    engine.generate([[1, 2]], SAMPLING, step=0)
+    assert fake.calls == [("generate", 2, "mppo-adapter-0"), "flush", ("release", ("kv_cache", "cuda_graph")),
+                          ("unload_lora", "mppo-adapter-0"), ("load_lora", "mppo-adapter-1"), "flush",
+                          ("resume", ("kv_cache", "cuda_graph")), ("generate", 2, "mppo-adapter-1")]
+    with pytest.raises(SGLangError, match="injected failure"):
+        engine.update_adapter({}, {"r": 8})
+    with pytest.raises(RolloutStateError, match="the last load failed"):
+        engine.generate([[1, 2]], SAMPLING, step=0)
 
 
 def test_dp_split_sends_the_same_seeds_as_one_engine():

@@ -7,7 +7,8 @@ needs that. The same launch then serves a random tiny Qwen3-MoE (two new engines
 to GRPO at EP2 with routing replay (R3), 2 steps; SGLang's Qwen3-MoE has no get_weights_by_name either, so what
 reaches its engine is checked through HF transformers loading the exporter's tensors (log-probs and routes).
 Between them, one multi-turn GRPO step with the calculator tool runs on the Llama engines (a policy made to call it),
-and GRPO with LoRA adapters at trainer TP2 (merged into the weights pushed to the engines), 2 steps.
+and GRPO with LoRA adapters at trainer TP2 (merged into the weights pushed to the engines), 2 steps; then the same
+LoRA run with adapter-only sync (lora.merge=false) on two engines started with SGLang's LoRA support.
 """
 from __future__ import annotations
 
@@ -55,6 +56,10 @@ def launch(tmp_path_factory) -> list[dict]:
     # LoRA (merge=true): the adapters merged into the weights the engines get; a high lr so that they move
     cases["tp2_grpo_lora"] = (tiny_overrides(assets, runs / "tp2_grpo_lora", world=2, tp=2, steps=2,
                                              estimator="grpo", n=4) + common + LORA)
+    # LoRA, adapters only (merge=false): the engines hold the base and take the adapters (SGLang's LoRA support)
+    cases["tp2_grpo_lora_adapters"] = (tiny_overrides(assets, runs / "tp2_grpo_lora_adapters", world=2, tp=2,
+                                                      steps=2, estimator="grpo", n=4) + common + LORA
+                                       + ["actor_rollout_ref.model.lora.merge=false"])
     # one multi-turn GRPO step on the same engines: a policy that calls the calculator (same config, own weights)
     tools = tiny_overrides(assets, runs / "dp2_grpo_tools", world=2, steps=1, estimator="grpo", n=4) + common
     cases["dp2_grpo_tools"] = [o.replace(f"{assets}/model", str(tool_model)) for o in tools] + [
@@ -168,6 +173,43 @@ def test_lora_adapters_reach_the_engine_merged(launch):
     metrics = launch[0]["tp2_grpo_lora"]["metrics"]
     for step in (1, 2):
         assert metrics[step]["training/rollout_probs_diff_max"] < 1e-3 and metrics[step]["actor/grad_norm"] > 0
+
+
+# Adapter-only sync: the first phase pushes the base, later ones only the adapters; a release keeps the base.
+ADAPTER_PHASE = (r"load_lora_adapter_from_tensors flush_cache resume_memory_occupation\(kv_cache,cuda_graph\) "
+                 r"(generate )+(flush_cache )+release_memory_occupation\(kv_cache,cuda_graph\) ")
+ADAPTER_FIRST = r"begin_weight_update (update_weights_from_tensor )+end_weight_update flush_cache " + ADAPTER_PHASE
+ADAPTER_NEXT = r"unload_lora_adapter " + ADAPTER_PHASE
+
+
+def test_lora_adapters_only_reach_sglangs_lora_support(launch):
+    """GRPO with LoRA (rank 8, merge=false) at trainer TP2: the engines hold the frozen base bitwise (not the merged
+    weights), each sync after the first pushes only the adapters (SGLang's load_lora_adapter_from_tensors), the
+    engine's token probabilities equal the actor's (< 1e-3) on both steps, and after training its log-probs equal
+    HF transformers + PEFT with the actor's adapters (1e-4), far from the base's."""
+    for r in launch:
+        case = r["tp2_grpo_lora_adapters"]
+        assert case["layout"] == {"tp": 2, "dp": 1}
+        assert len(case["rollout_probs_diff_max"]) == 2 and max(case["rollout_probs_diff_max"]) < 1e-3, case
+        weights = case["weights"]
+        assert weights["missing"] == [] and weights["different"] == [], weights
+        assert weights["equal_to_merged"] < weights["tensors"], weights  # the adapted weights are not merged
+        events = " ".join(e for e in case["events"] if not e.startswith(("actor.", "trainer_state"))) + " "
+        assert re.fullmatch(ADAPTER_FIRST + ADAPTER_NEXT, events), events
+        adapters = case["adapters"]
+        print(f"LoRA adapters only on SGLang: log-prob error vs HF + PEFT {adapters['log_prob_error_vs_peft']:.2e}, "
+              f"vs the base {adapters['log_prob_error_vs_base']:.2e}; a sync moves {adapters['sync_bytes']} bytes")
+        assert adapters["responses"] == 2 * 8 and adapters["log_prob_error_vs_peft"] < 1e-4, adapters
+        assert adapters["log_prob_error_vs_base"] > 1e-2, adapters
+        assert adapters["sync_buckets"] == 1, adapters  # one PEFT state dict, no weight bucket
+    metrics = launch[0]["tp2_grpo_lora_adapters"]["metrics"]
+    for step in (1, 2):
+        assert metrics[step]["training/rollout_probs_diff_max"] < 1e-3 and metrics[step]["actor/grad_norm"] > 0
+    # step 1 moves the base and the adapters, step 2 the adapters alone (fp32: 4 bytes x rank x (in + out) each)
+    hidden, kv, ffn, layers, rank = 32, 16, 64, 2, 8  # tests/e2e_assets.py's tiny model: 4 heads of 8, 2 KV heads
+    per_layer = rank * ((hidden + hidden) * 2 + (hidden + kv) * 2 + (hidden + ffn) * 3)  # q, o; k, v; gate, up, down
+    assert metrics[2]["perf/weight_sync_bytes"] == launch[0]["tp2_grpo_lora_adapters"]["adapters"]["sync_bytes"] \
+        == 4 * layers * per_layer < metrics[1]["perf/weight_sync_bytes"], metrics
 
 
 def test_two_engines_serve_every_layout(launch):

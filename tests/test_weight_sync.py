@@ -208,3 +208,21 @@ def test_staging_setup_failure_is_one_clear_error_on_every_rank(run):
         message = _get(ranks, rank, "tp2pp2/qwen2_untied/life/setup_error")
         assert "rank 0" in message and "free but the weight staging buffer needs" in message, message
         assert "--shm-size" in message and "transport='collective'" in message
+
+
+def test_lora_bench_report_is_the_hand_computation(capsys):
+    """`mppo bench weight-sync --lora-rank`: the LoRA lines are medians and ratios of what was measured, and a bad
+    rank stops in one line."""
+    from mppo.bench.weight_sync import main, render_lora
+
+    lora = {"rank": 16, "bytes": {"merged": 800 << 20, "adapters": 10 << 20},
+            "seconds": {"merged": [4.0, 3.0, 9.0], "adapters": [1.0, 0.75, 0.5]},
+            "generate_seconds": {"adapter": [5.0, 5.0, 6.0], "merged": [4.0, 1.0, 4.0]}}
+    text = " ".join(render_lora(lora).split())
+    assert "merged sync (lora.merge=true) 4.000 s 800.0 MiB" in text, text
+    assert "adapters-only sync (lora.merge=false) 0.750 s 10.0 MiB (speed-up 5.33x, 80x fewer bytes)" in text
+    assert "base + adapter 5.000 s, merged weights (an engine without LoRA) 4.000 s (1.25x)" in text, text
+    assert "saves 3.250 s per sync and costs 1.000 s per such batch" in text, text
+    assert main(["--lora-rank", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == ("mppo bench weight-sync: --lora-rank -1: must be >= 0 (0: no LoRA "
+                                                "comparison)")

@@ -16,6 +16,12 @@ CPU tier, engine TP 1) and the same sync is timed into it: the staged export, th
 flattened-bucket session (each bucket flattened into a fresh buffer, handed to SGLang's scheduler process as
 shared-memory tensors, loaded into its parameters).
 
+With `--lora-rank R` (and SGLang), LoRA adapters of rank R on every linear are attached to the actor afterwards and
+the two LoRA syncs are timed into one sglang.Engine started with SGLang's LoRA support (its torch-native backend
+on the CPU): merged (base + adapters, the whole model, lora.merge=true) and adapters only (lora.merge=false:
+mppo.rollout.weight_sync.push_actor_adapters after the base is in). Adapters cost at generation instead: the
+same greedy batch is timed on that engine (base + the adapter) and on the plain engine above (merged weights).
+
 The CPU path only (CUDA is hidden from the ranks): on GPUs the sync is NCCL and SGLang's CUDA-IPC path, not this one.
 """
 from __future__ import annotations
@@ -51,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="also time the export to every rank by collectives (the transport before staging; slow)")
     p.add_argument("--sglang", action=argparse.BooleanOptionalAction, default=None,
                    help="also time the sync into a real sglang.Engine on CPU (default: when SGLang is installed)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="also compare LoRA's merged and adapter-only syncs into SGLang at this rank (0: off)")
     p.add_argument("--json", type=Path, default=None, help="also write the measurements to this file")
     return p
 
@@ -171,11 +179,14 @@ def rank_main(rank: int, world: int, port: int, opts: dict, out_file: str) -> No
             memcpy["all"].append(memcpy_bandwidth(opts["memcpy_mb"] << 20, _cpu_threads()))
         dist.barrier()
     sync()  # the engine ends on synced weights, as a trainer's would
+    lora: dict = {}
     if opts["sglang"]:
-        rows["sglang"] = _time_sglang(rank, chunks, args, bucket, opts)
+        rows["sglang"], greedy_merged = _time_sglang(rank, chunks, args, bucket, opts)
+        if opts["lora_rank"] > 0:
+            lora = _time_sglang_lora(rank, chunks, args, bucket, opts, greedy_merged)
     if rank == 0:
         Path(out_file).write_text(json.dumps({
-            "bytes": nbytes, "raw_seconds": rows, "raw_memcpy_Bps": memcpy,
+            "bytes": nbytes, "raw_seconds": rows, "raw_memcpy_Bps": memcpy, "lora": lora,
             "seconds": {k: statistics.median(v) for k, v in rows.items() if v},
             "memcpy_Bps": {k: statistics.median(v) for k, v in memcpy.items()}}))
     engine = held = None  # drop the engine's staged weights before the buffers
@@ -184,8 +195,9 @@ def rank_main(rank: int, world: int, port: int, opts: dict, out_file: str) -> No
     dist.destroy_process_group()
 
 
-def _time_sglang(rank: int, chunks, args, bucket: int, opts: dict) -> list[float]:
-    """Seconds of each repeat of the whole sync into a real sglang.Engine on rank 0 (after one warm-up sync)."""
+def _time_sglang(rank: int, chunks, args, bucket: int, opts: dict) -> tuple[list[float], list[float]]:
+    """Seconds of each repeat of the whole sync into a real sglang.Engine on rank 0 (after one warm-up sync); with
+    --lora-rank also of one greedy batch on it (the engine a merged LoRA sync feeds; rank 0 only, else [])."""
     import torch.distributed as dist
 
     from mppo.rollout.weight_sync import push_actor_weights
@@ -203,9 +215,79 @@ def _time_sglang(rank: int, chunks, args, bucket: int, opts: dict) -> list[float
     dist.barrier()
     push_actor_weights(engine, chunks, args, bucket)  # warm-up
     seconds = [_timed(lambda: push_actor_weights(engine, chunks, args, bucket)) for _ in range(opts["repeats"])]
+    greedy: list[float] = []
     if engine is not None:
+        if opts["lora_rank"] > 0:  # no LoRA support: what the merged weights cost per generated batch
+            greedy = _greedy_seconds(engine, opts)
         engine.shutdown()
-    return seconds
+    return seconds, greedy
+
+
+def _greedy_seconds(engine, opts: dict) -> list[float]:
+    """Seconds of each repeat of one greedy batch (8 prompts x 16 tokens -> 32 new tokens each), after a warm-up."""
+    from mppo.rollout import SamplingParams
+
+    prompts = [[(7 * i + j) % opts["config"]["vocab_size"] for j in range(16)] for i in range(8)]
+    greedy = SamplingParams(do_sample=False, max_new_tokens=32, ignore_eos=True)
+    engine.generate(prompts, greedy, step=0)
+    times = []
+    for _ in range(opts["repeats"]):
+        start = time.perf_counter()
+        engine.generate(prompts, greedy, step=0)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+GREEDY_TOKENS = 8 * 32
+
+
+def _time_sglang_lora(rank: int, chunks, args, bucket: int, opts: dict, greedy_merged: list[float]) -> dict:
+    """LoRA of rank --lora-rank on every linear of the actor, one sglang.Engine with LoRA support on rank 0: the
+    seconds of each repeat of the merged sync and of the adapter-only sync, their bytes, and the seconds of one
+    greedy batch on base + the adapter beside `greedy_merged` (the plain engine's, on merged weights)."""
+    import torch.distributed as dist
+
+    from mppo.config.lora import HF_PROJECTIONS
+    from mppo.models.lora import LoRASpec, adapters_disabled, apply_lora, iter_adapters
+    from mppo.rollout.weight_sync import push_actor_adapters, push_actor_weights
+
+    spec = LoRASpec(rank=opts["lora_rank"], alpha=2.0 * opts["lora_rank"], dropout=0.0, projections=HF_PROJECTIONS)
+    apply_lora(chunks, args, spec)
+    for adapters in iter_adapters(chunks):  # B = 0 at the start would make the merge a no-op: give it values
+        for b in adapters.lora_B.values():
+            b.data.normal_(0.0, 0.01)
+    engine = None
+    if rank == 0:
+        from mppo.rollout.sglang_engine import SGLangRolloutEngine
+
+        model_dir = Path(opts["tmp"]) / "sglang_model"
+        engine = SGLangRolloutEngine(str(model_dir), gpu_memory_utilization=0.3, dtype="float32", on_cpu=True,
+                                     max_total_tokens=4096, log_path=Path(opts["tmp"]) / "sglang_lora.log",
+                                     name="the benchmark's LoRA engine",
+                                     lora={"rank": spec.rank, "target_modules": list(spec.projections)})
+    dist.barrier()
+    push_actor_adapters(engine, chunks, args, bucket)  # warm-up: the base goes in, then the adapters
+    last: dict = {}
+
+    def adapters_only() -> None:
+        last["adapters"] = push_actor_adapters(engine, chunks, args, bucket)
+
+    def merged() -> None:
+        last["merged"] = push_actor_weights(engine, chunks, args, bucket)
+
+    seconds = {"merged": [_timed(merged) for _ in range(opts["repeats"])]}
+    with adapters_disabled(chunks):  # the base again (the merged weights were pushed over it), then the adapter
+        push_actor_weights(engine, chunks, args, bucket)
+    push_actor_adapters(engine, chunks, args, bucket)
+    seconds["adapters"] = [_timed(adapters_only) for _ in range(opts["repeats"])]
+    generation: dict = {}
+    if engine is not None:
+        generation["adapter"] = _greedy_seconds(engine, opts)
+        generation["merged"] = greedy_merged
+        engine.shutdown()
+    dist.barrier()
+    return {"rank": spec.rank, "seconds": seconds, "generate_seconds": generation,
+            "bytes": {k: v.bytes for k, v in last.items()}}
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -240,11 +322,31 @@ def render(result: dict, all_threads: int) -> str:
     return "\n".join(lines)
 
 
+def render_lora(lora: dict) -> str:
+    """LoRA's two syncs into SGLang (medians), and what the adapters cost per generated batch."""
+    sec = {k: statistics.median(v) for k, v in lora["seconds"].items()}
+    gen = {k: statistics.median(v) for k, v in lora["generate_seconds"].items()}
+    nb = lora["bytes"]
+    lines = [f"LoRA rank {lora['rank']} on every linear, one sglang.Engine with LoRA support (CPU, torch_native):",
+             f"  {'merged sync (lora.merge=true)':<40} {sec['merged']:>8.3f} s {nb['merged'] / 2 ** 20:>9.1f} MiB",
+             f"  {'adapters-only sync (lora.merge=false)':<40} {sec['adapters']:>8.3f} s "
+             f"{nb['adapters'] / 2 ** 20:>9.1f} MiB  (speed-up {sec['merged'] / sec['adapters']:.2f}x, "
+             f"{nb['merged'] / nb['adapters']:.0f}x fewer bytes)"]
+    if gen:
+        lines.append(f"  greedy batch ({GREEDY_TOKENS} new tokens): base + adapter {gen['adapter']:.3f} s, merged "
+                     f"weights (an engine without LoRA) {gen['merged']:.3f} s ({gen['adapter'] / gen['merged']:.2f}x); "
+                     f"adapters-only saves {sec['merged'] - sec['adapters']:.3f} s per sync and costs "
+                     f"{gen['adapter'] - gen['merged']:.3f} s per such batch")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = _parser().parse_args(argv)
     try:
         if min(opts.tp, opts.pp, opts.repeats, opts.bucket_mb, opts.threads_per_rank, opts.memcpy_mb) < 1:
             raise ValueError("--tp, --pp, --repeats, --bucket-mb, --threads-per-rank and --memcpy-mb must be >= 1")
+        if opts.lora_rank < 0:
+            raise ValueError(f"--lora-rank {opts.lora_rank}: must be >= 0 (0: no LoRA comparison)")
         config = model_config(opts)
     except ValueError as err:
         print(f"mppo bench weight-sync: {err}", file=sys.stderr)
@@ -260,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         rank_opts = dict(tp=opts.tp, pp=opts.pp, bucket_mb=opts.bucket_mb, repeats=opts.repeats,
                          threads_per_rank=opts.threads_per_rank, memcpy_mb=opts.memcpy_mb, config=config,
-                         collective_all=opts.collective_all, sglang=opts.sglang, tmp=tmp)
+                         collective_all=opts.collective_all, sglang=opts.sglang, tmp=tmp,
+                         lora_rank=opts.lora_rank)
         out_file = str(Path(tmp) / "rank0.json")
         mp.start_processes(rank_main, args=(world, _free_port(), rank_opts, out_file), nprocs=world,
                            start_method="spawn")
@@ -282,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
         rate = result["bytes"] / result["seconds"]["sglang"]
         print(f"whole sync into SGLang (CPU tier, engine TP 1): {rate / GB:.2f} GB/s = {rate / mem1:.0%} of 1-thread "
               f"memcpy, {rate / mem_all:.0%} of {all_threads}-thread memcpy")
+    if result.get("lora"):
+        print("\n" + render_lora(result["lora"]))
+    elif opts.lora_rank > 0:
+        print("\n--lora-rank needs SGLang (the adapter-only sync goes into its LoRA support): not measured")
     if opts.json:
         opts.json.write_text(json.dumps({**result, "all_threads": all_threads, "options": rank_opts}, indent=1))
     return 0

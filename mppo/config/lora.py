@@ -50,6 +50,12 @@ def lora_enabled(cfg: MppoConfig) -> bool:
     return cfg.actor_rollout_ref.model.lora.rank > 0
 
 
+def adapter_sync(cfg: MppoConfig) -> bool:
+    """Whether each sync pushes only the adapters to the engine (lora.merge=false; SGLang's LoRA support holds the
+    base), instead of base + adapters merged."""
+    return lora_enabled(cfg) and not cfg.actor_rollout_ref.model.lora.merge
+
+
 def check_lora(cfg: MppoConfig) -> None:
     """One ConfigError line for a LoRA setting mppo cannot run (the model's type is checked at start-up, by
     mppo.preflight, which reads its config.json)."""
@@ -66,9 +72,13 @@ def check_lora(cfg: MppoConfig) -> None:
         raise ConfigError(f"{LORA}.alpha = {lora.alpha}: must be > 0 (the adapter scale is alpha / rank)")
     if not 0 <= lora.dropout < 1:
         raise ConfigError(f"{LORA}.dropout = {lora.dropout}: must be in [0, 1)")
-    if not lora.merge:
-        raise ConfigError(f"{LORA}.merge = false: pushing adapters to the engine without merging is not built; "
-                          "set merge=true (the merged weights are exact)")
+    if not lora.merge and cfg.actor_rollout_ref.rollout.name != "sglang":
+        raise ConfigError(f"{LORA}.merge = false pushes only the adapters, to SGLang's LoRA support; the "
+                          f"{cfg.actor_rollout_ref.rollout.name!r} engine takes merged weights: set merge=true or "
+                          "actor_rollout_ref.rollout.name=sglang")
+    if not lora.merge and not cfg.actor_rollout_ref.hybrid_engine:
+        raise ConfigError(f"{LORA}.merge = false with actor_rollout_ref.hybrid_engine=false: adapter-only sync "
+                          "across the separate placement is not built; set merge=true")
 
 
 def check_lora_model(cfg: MppoConfig, model_type: str, is_moe: bool) -> None:

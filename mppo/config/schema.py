@@ -48,7 +48,7 @@ class LoRAConfig:
     target_modules: List[str] = field(
         default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     exclude_modules: List[str] = field(default_factory=list)  # the same names, taken out of target_modules
-    merge: bool = True  # rollout: stream base + adapters merged to the engine (false, adapters only: not built)
+    merge: bool = True  # rollout: stream base + adapters merged to the engine; false: the base once, then adapters only (SGLang)
 
 
 @dataclass

@@ -317,13 +317,14 @@ class MergedWeight:
 
 def export_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor | MergedWeight]]:
     """A GPTModel chunk's `named_parameters()` as the HF exporter needs them: adapter parameters left out, each
-    adapted weight merged (base + scale * B @ A, this TP shard's). The model itself is unchanged."""
+    adapted weight merged (base + scale * B @ A, this TP shard's), unless its adapters are off (adapters_disabled:
+    the base, as for adapter-only sync). The model itself is unchanged."""
     for name, param in model.named_parameters():
         if is_adapter_parameter(name):
             continue
         owner, _, leaf = name.rpartition(".")
         adapters = getattr(model.get_submodule(owner), "lora", None) if leaf == "weight" else None
-        yield name, param if adapters is None else MergedWeight(param, adapters)
+        yield name, param if adapters is None or not adapters.enabled else MergedWeight(param, adapters)
 
 
 def lora_spec(lora_cfg, seed: int) -> LoRASpec:

@@ -166,6 +166,9 @@ class RolloutEngine(ABC):
     """A rollout engine. Subclasses implement the underscored hooks; this class enforces the life cycle."""
 
     def __init__(self) -> None:
+        # LoRA adapter-only sync (lora.merge=false): the engine holds the frozen base through release() and takes
+        # only the adapters at each sync (update_adapter); a release then frees the KV cache alone
+        self.keeps_weights_on_release = False
         self._weights_resident = True  # weight memory allocated
         self._weights_loaded = False  # weights hold values pushed by update_weights since start / last release
         self._kv_resident = True  # KV cache memory allocated
@@ -206,13 +209,27 @@ class RolloutEngine(ABC):
         self._load_weights(iter_weight_buckets(named_tensors))
         self._weights_loaded = True
 
+    @property
+    def weights_loaded(self) -> bool:
+        """The weights hold values pushed by update_weights (since start-up or the last release that freed them)."""
+        return self._weights_loaded
+
+    def update_adapter(self, tensors: dict[str, torch.Tensor], config: dict) -> None:
+        """Serve with these LoRA adapters on the loaded (base) weights from now on, replacing the previous ones.
+        `tensors`: full PEFT adapter tensors (mppo.models.lora_io keys), `config`: PEFT's adapter_config.json."""
+        if not self._weights_loaded:
+            raise RolloutStateError("update_adapter() before update_weights(): the engine holds no base weights to "
+                                    "adapt; push the base with update_weights() first")
+        self._load_adapter(tensors, config)
+
     def release(self) -> None:
-        """Free weights and KV cache (for training). Idempotent."""
-        if self._weights_resident or self._kv_resident:
+        """Free weights and KV cache (for training); with keeps_weights_on_release the KV cache only. Idempotent."""
+        if self._kv_resident or (self._weights_resident and not self.keeps_weights_on_release):
             self._release_memory()
-        self._weights_resident = False
         self._kv_resident = False
-        self._weights_loaded = False
+        if not self.keeps_weights_on_release:
+            self._weights_resident = False
+            self._weights_loaded = False
 
     def resume(self) -> None:
         """Re-allocate the KV cache after release(). Requires update_weights() since the release. Idempotent."""
@@ -250,3 +267,7 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def _flush_cache(self) -> None: ...
+
+    def _load_adapter(self, tensors: dict[str, torch.Tensor], config: dict) -> None:
+        raise NotImplementedError(f"{type(self).__name__} takes merged weights only (lora.merge=true); adapter-only "
+                                  "sync needs SGLang's LoRA support (rollout.name=sglang)")

@@ -53,12 +53,13 @@ import torch.distributed as dist
 from torch import nn
 
 from mppo.config import ConfigError, MppoConfig
+from mppo.config.lora import adapter_sync
 from mppo.models.hf_config import HFModelArgs, read_hf_config
 from mppo.rollout.agent_loop import AgentLoop, ToolRunner
 from mppo.rollout.base import RolloutEngine, RolloutResponse, SamplingParams
 from mppo.rollout.seeding import stable_hash63
 from mppo.rollout.tools import ToolCall
-from mppo.rollout.weight_sync import SyncStats, push_actor_weights
+from mppo.rollout.weight_sync import SyncStats, push_actor_adapters, push_actor_weights
 
 log = logging.getLogger("mppo")
 
@@ -238,7 +239,17 @@ def _sglang_engine(spec: EngineSpec) -> RolloutEngine:
         seed=engine_seed(cfg.trainer.seed, layout.group_index), on_cpu=on_cpu, max_total_tokens=max_total_tokens,
         log_path=spec.log_dir / f"sglang_group{layout.group_index}.log", name=name,
         return_routed_experts=cfg.actor_rollout_ref.actor.router_replay.mode == "R3",
-        trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+        trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code, lora=_engine_lora(cfg))
+
+
+def _engine_lora(cfg: MppoConfig) -> dict[str, Any] | None:
+    """What SGLang's LoRA support needs for adapter-only sync (lora.merge=false); None: merged weights."""
+    from mppo.config.lora import lora_projections
+
+    if not adapter_sync(cfg):
+        return None
+    lora = cfg.actor_rollout_ref.model.lora
+    return {"rank": lora.rank, "target_modules": list(lora_projections(lora.target_modules, lora.exclude_modules))}
 
 
 def engine_seed(run_seed: int, group_index: int) -> int:
@@ -266,8 +277,9 @@ class Rollout:
     (`sync_weights`, `generate`, `release`; each on every rank). See the module docstring for the sequence."""
 
     def __init__(self, name: str, engine: RolloutEngine, layout: RolloutLayout, *, free_cache_engine: bool,
-                 object_group: Any | None, group_comm: Any | None = None) -> None:
+                 object_group: Any | None, group_comm: Any | None = None, adapter_sync: bool = False) -> None:
         self.name, self.engine, self.layout = name, engine, layout
+        self.adapter_sync = adapter_sync  # LoRA, lora.merge=false: the base once, then the adapters only
         self.free_cache_engine = free_cache_engine
         self._object_group = object_group  # gloo group of every rank, for gathering responses (None: world of 1)
         self._group_comm = group_comm  # gloo group of this rollout group's ranks (None: a group of one)
@@ -281,8 +293,8 @@ class Rollout:
         are (the responses generated on them carry it)."""
         if self._offloaded is not None:
             raise RuntimeError("sync_weights() twice without release(): the trainer state is still offloaded")
-        stats = push_actor_weights(self.engine, model_chunks, hf_args, bucket_bytes,
-                                   destinations=self.layout.destinations)
+        push = push_actor_adapters if self.adapter_sync else push_actor_weights
+        stats = push(self.engine, model_chunks, hf_args, bucket_bytes, destinations=self.layout.destinations)
         self.version = version
         if trainer_state is not None:
             trainer_state.offload()
@@ -402,7 +414,7 @@ def build_rollout(cfg: MppoConfig, *, device: torch.device, dtype: torch.dtype, 
     spec = EngineSpec(cfg=cfg, layout=layout, tp_group=tp_group, device=device, dtype=dtype, log_dir=log_dir)
     engine = _start_everywhere(lambda: ENGINE_BUILDERS[name](spec), object_group)
     rollout = Rollout(name, engine, layout, free_cache_engine=rollout_cfg.free_cache_engine,
-                      object_group=object_group, group_comm=tp_group)
+                      object_group=object_group, group_comm=tp_group, adapter_sync=adapter_sync(cfg))
     if rollout.free_cache_engine:
         engine.release()
     log.info("rollout: %d %s engine(s) of TP %d; this rank: group %d (ranks %s)", len(layout.groups), name,

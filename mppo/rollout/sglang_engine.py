@@ -23,6 +23,12 @@ stop_token_ids. sampling_seed is honoured only with enable_deterministic_inferen
 (`on_cpu=True`, mppo.rollout.sglang_cpu) SGLang has neither deterministic inference nor the memory saver: seeds
 are ignored and release() frees nothing; that module says exactly what holds there.
 
+LoRA adapter-only sync (`lora=`, actor_rollout_ref.model.lora.merge=false): the engine starts with SGLang's LoRA
+support (enable_lora; on the CPU its torch-native backend), holds the frozen base pushed once by update_weights,
+keeps it through release() (only the KV cache is freed), and takes the adapters at each sync as tensors
+(load_lora_adapter_from_tensors, under a new name per version; the previous adapter is unloaded first); every
+generate request names the current adapter (lora_path).
+
 Routing replay (R3): with `return_routed_experts=True` the server records the experts each MoE layer chose
 (enable_return_routed_experts), every request asks for them, and each RolloutResponse carries the MoE layers'
 rows (SGLang's layer axis spans all hidden layers) for every token but the last, as the CPU engine's do.
@@ -38,7 +44,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from mppo.rollout.base import NamedTensor, RolloutEngine, RolloutResponse, SamplingParams
+from mppo.rollout.base import NamedTensor, RolloutEngine, RolloutResponse, RolloutStateError, SamplingParams
 from mppo.rollout.sglang_startup import start_engine, stop_engine
 from mppo.rollout.sglang_protocol import (
     RELEASE_TAGS,
@@ -115,8 +121,15 @@ class SGLangRolloutEngine(RolloutEngine):
         name: str = "the rollout engine",
         return_routed_experts: bool = False,
         trust_remote_code: bool = False,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        # adapter-only sync: {"rank": r, "target_modules": [HF projections]} (None: merged weights)
+        self._lora = lora
+        self._adapter_name: str | None = None
+        self._adapters_loaded = 0
+        if lora is not None:
+            self.keeps_weights_on_release = True
         # the routed experts' layout (read before SGLang starts: a dense model fails here, in one line)
         self._routes = RouteLayout.of_model(model_path) if return_routed_experts else None
         self._api = api if api is not None else load_sglang_api(on_cpu=on_cpu)
@@ -134,6 +147,7 @@ class SGLangRolloutEngine(RolloutEngine):
             max_total_tokens=max_total_tokens,
             return_routed_experts=return_routed_experts,
             trust_remote_code=trust_remote_code,
+            lora=lora,
         )
         # The sglang.Engine on the driver (and the processes it started); None on the other ranks of the group.
         self._started = self._on_driver(
@@ -173,13 +187,19 @@ class SGLangRolloutEngine(RolloutEngine):
     ) -> list[RolloutResponse]:
         """The driver's prompts are generated; every rank of the group gets the responses."""
 
+        if self._lora is not None and self._adapter_name is None:
+            raise RolloutStateError("generate() on an engine for adapter-only sync that holds no adapter (none loaded "
+                                    "yet, or the last load failed): push the adapters with update_adapter() first")
+
         def run() -> list[RolloutResponse]:
             input_ids, params, keys = build_generate_request(prompt_token_ids, sampling, step, prompt_indices)
+            adapter = {} if self._adapter_name is None else {"lora_path": [self._adapter_name] * len(input_ids)}
             if self._routes is None:
-                outputs = self._engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True)
+                outputs = self._engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True,
+                                                **adapter)
                 return parse_generate_output(outputs, keys)
             outputs = self._engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True,
-                                            return_routed_experts=True)
+                                            return_routed_experts=True, **adapter)
             return parse_generate_output(outputs, keys, routes=self._routes,
                                          prompt_lengths=[len(ids) for ids in input_ids])
 
@@ -241,6 +261,23 @@ class SGLangRolloutEngine(RolloutEngine):
         check_success(result, "update_weights_from_tensor")
         return True
 
+    def _load_adapter(self, tensors: dict[str, torch.Tensor], config: dict) -> None:
+        if self._lora is None:
+            raise SGLangError("this engine was started without LoRA support (lora.merge=true): it takes merged "
+                              "weights only")
+        name, previous = f"mppo-adapter-{self._adapters_loaded}", self._adapter_name
+
+        def load() -> None:
+            if previous is not None:  # one adapter at a time: SGLang's pool holds max_loras_per_batch
+                check_success(self._engine.unload_lora_adapter(previous), "unload_lora_adapter")
+            check_success(self._engine.load_lora_adapter_from_tensors(name, tensors, config),
+                          "load_lora_adapter_from_tensors")
+
+        self._adapter_name = None  # a failed load leaves no adapter to serve with
+        self._on_driver(load)
+        self._adapter_name, self._adapters_loaded = name, self._adapters_loaded + 1
+        self._flush_cache()  # the radix cache holds KV of the previous adapter
+
     # ---- memory -----------------------------------------------------------------------------------------------
     def _release_memory(self) -> None:
         self._on_driver(self._release_when_idle)
@@ -257,7 +294,7 @@ class SGLangRolloutEngine(RolloutEngine):
                 raise SGLangError(f"SGLang's scheduler was not idle {RELEASE_IDLE_TIMEOUT_S:.0f} s after generate "
                                   "returned; cannot release its memory")
             time.sleep(0.01)
-        self._engine.release_memory_occupation(tags=RELEASE_TAGS)
+        self._engine.release_memory_occupation(tags=RESUME_KV_TAGS if self.keeps_weights_on_release else RELEASE_TAGS)
 
     def _resume_weight_memory(self) -> None:
         self._on_driver(lambda: self._engine.resume_memory_occupation(tags=RESUME_WEIGHT_TAGS))

@@ -141,6 +141,7 @@ def engine_server_args(
     max_total_tokens: int | None = None,
     return_routed_experts: bool = False,
     trust_remote_code: bool = False,
+    lora: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for sglang.Engine. `model_path` is an HF directory; only its config is read (with the
     checkpoint's own config code under `trust_remote_code`: actor_rollout_ref.model.trust_remote_code).
@@ -148,7 +149,8 @@ def engine_server_args(
     `on_cpu`: SGLang's CPU tier (mppo.rollout.sglang_cpu.CPU_SERVER_ARGS replace the memory saver and deterministic
     inference). `max_total_tokens` caps the KV pool (on the CPU the pool is host memory; None: SGLang sizes it from
     `gpu_memory_utilization`). `return_routed_experts`: the engine records the experts every MoE layer chose
-    (routing replay, R3).
+    (routing replay, R3). `lora` ({"rank", "target_modules"}): SGLang's LoRA support for adapter-only weight sync,
+    one adapter at a time (on the CPU its torch-native backend, the only one without a GPU kernel).
     """
     if not 0.0 < gpu_memory_utilization < 1.0:
         raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1), got {gpu_memory_utilization}")
@@ -161,6 +163,11 @@ def engine_server_args(
         fixed["max_total_tokens"] = int(max_total_tokens)
     if return_routed_experts:
         fixed["enable_return_routed_experts"] = True
+    if lora is not None:
+        fixed.update(enable_lora=True, max_lora_rank=int(lora["rank"]),
+                     lora_target_modules=list(lora["target_modules"]), max_loras_per_batch=1)
+        if on_cpu:
+            fixed["lora_backend"] = "torch_native"
     extra = dict(extra or {})
     clashes = sorted(set(extra) & set(fixed))
     if clashes:

@@ -79,4 +79,33 @@ def push_actor_weights(engine: RolloutEngine | None, model_chunks: Sequence[nn.M
     return SyncStats(bytes=counts["bytes"], seconds=time.perf_counter() - start, buckets=counts["buckets"])
 
 
-__all__ = ["SyncStats", "engine_ranks", "push_actor_weights"]
+def push_actor_adapters(engine: RolloutEngine | None, model_chunks: Sequence[nn.Module], hf_args: HFModelArgs,
+                        bucket_bytes: int, *, destinations: Sequence[int] | None = None) -> SyncStats:
+    """LoRA adapter-only sync (lora.merge=false): the frozen base while an engine holds none (the first sync),
+    then the adapters alone, as full PEFT tensors, into every engine (SGLang's LoRA support applies them).
+
+    Collective over the actor's ranks, like push_actor_weights (`engine=None` where this rank holds none)."""
+    from mppo.models.lora import adapters_disabled, lora_info
+    from mppo.models.lora_io import adapter_config, gather_peft_tensors
+
+    start = time.perf_counter()
+    world = dist.group.WORLD if dist.is_initialized() else None
+    needs_base = torch.tensor([int(engine is not None and not engine.weights_loaded)],
+                              device=collective_device(world))
+    if world is not None:
+        dist.all_reduce(needs_base, op=dist.ReduceOp.MAX)
+    base = SyncStats(bytes=0, seconds=0.0, buckets=0)
+    if needs_base.item():
+        with adapters_disabled(model_chunks):  # the exporter then streams the base weights unmerged
+            base = push_actor_weights(engine, model_chunks, hf_args, bucket_bytes, destinations=destinations)
+    tensors = gather_peft_tensors(model_chunks)
+    nbytes = 0
+    if engine is not None:
+        info = lora_info(model_chunks)
+        engine.update_adapter(tensors, adapter_config(info.spec, info.base_dir))
+        nbytes = sum(t.nbytes for t in tensors.values())
+    return SyncStats(bytes=base.bytes + nbytes, seconds=time.perf_counter() - start,
+                     buckets=base.buckets + int(nbytes > 0))
+
+
+__all__ = ["SyncStats", "engine_ranks", "push_actor_adapters", "push_actor_weights"]

@@ -18,6 +18,9 @@ previous one is shut down first: a checkpoint save after that shutdown is what f
 dist-checkpoint Manager, mppo.rollout.sglang_startup.stop_engine); after its fit(): the trained weights, exported by the shared exporter (experts
 included) and loaded into HF transformers, give the log-probs the engine returns after a sync, and HF's routers
 choose the experts the engine reports for the same tokens (`moe_check`).
+The LoRA adapter-only case (lora.merge=false) gets its own Rollout too (engines started with SGLang's LoRA
+support): the engine's weights are then the base, bitwise, and after fit() its log-probs on the trained adapters
+equal HF transformers + PEFT loaded with the actor's adapters (`adapter_check`).
 """
 from __future__ import annotations
 
@@ -101,12 +104,79 @@ def merged_vs_base(trainer, base_dir: Path) -> float:
     return worst
 
 
+def base_vs_exporter(trainer) -> dict:
+    """Adapter-only sync: every HF tensor the engine holds equals the exporter's base (adapters off), bitwise,
+    and the engine's tensors differ from the merged weights (the adapters did not reach them merged)."""
+    from mppo.models.lora import adapters_disabled
+    from mppo.models.weights import iter_hf_weights
+
+    chunks, args = trainer.actor.model, trainer.actor.hf_args
+    everyone = trainer.rollout.layout.destinations
+    merged = {name: t.float().clone() for name, t in iter_hf_weights(chunks, args, destinations=everyone)}
+    different, missing, equal_to_merged = [], [], 0
+    with adapters_disabled(chunks):
+        for name, tensor in iter_hf_weights(chunks, args, destinations=everyone):
+            got = trainer.rollout.engine.get_weight(name)
+            if got is None:
+                missing.append(name)
+                continue
+            if got.shape[0] < tensor.shape[0] or not torch.equal(got[:tensor.shape[0]], tensor.float()):
+                different.append(name)
+            equal_to_merged += int(torch.equal(got[:tensor.shape[0]], merged[name]))
+    return {"compared": len(merged) - len(missing), "different": different, "missing": missing,
+            "equal_to_merged": equal_to_merged, "tensors": len(merged)}
+
+
+def adapter_check(trainer, out_dir: Path) -> dict:
+    """After fit(): sync (adapters only), then greedy and sampled rollouts, against HF transformers + PEFT with the
+    actor's adapters written as a PEFT directory (mppo's exporter) on the base model's files."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from mppo.models.lora import lora_info
+    from mppo.models.lora_io import gather_peft_tensors, save_peft_adapter
+    from mppo.rollout import SamplingParams
+
+    chunks = trainer.actor.model
+    info = lora_info(chunks)
+    save_peft_adapter(gather_peft_tensors(chunks), out_dir, info.spec, base_model=info.base_dir, overwrite=True)
+    stats = trainer.rollout.sync_weights(chunks, trainer.actor.hf_args, bucket_bytes=1 << 20)
+    prompts = prompt_ids(trainer)
+    eos = tuple(trainer.train_sampling.stop_token_ids)
+    greedy = trainer.rollout.generate(prompts, SamplingParams(do_sample=False, max_new_tokens=12,
+                                                             stop_token_ids=eos), step=0)
+    sampled = trainer.rollout.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12,
+                                                              stop_token_ids=eos), step=0)
+    trainer.rollout.release()
+    base = AutoModelForCausalLM.from_pretrained(info.base_dir, dtype=torch.float32)
+    with_adapters = PeftModel.from_pretrained(base, str(out_dir)).eval()
+    worst, worst_base = 0.0, 0.0
+    with torch.no_grad():
+        for r in greedy + sampled:
+            ids = torch.tensor([prompts[r.prompt_index] + r.token_ids])
+            start = len(prompts[r.prompt_index]) - 1
+            for model, which in ((with_adapters, "lora"), (None, "base")):
+                if model is None:
+                    with with_adapters.disable_adapter():
+                        logits = with_adapters(ids).logits[0, start:-1]
+                else:
+                    logits = model(ids).logits[0, start:-1]
+                ref = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(r.token_ids)[:, None])[:, 0]
+                err = (ref - torch.tensor(r.log_probs)).abs().max().item()
+                if which == "lora":
+                    worst = max(worst, err)
+                else:
+                    worst_base = max(worst_base, err)
+    return {"log_prob_error_vs_peft": worst, "log_prob_error_vs_base": worst_base, "responses": len(greedy + sampled),
+            "sync_bytes": stats.bytes, "sync_buckets": stats.buckets}
+
+
 def spy(trainer, events: list) -> dict:
     """Record SGLang's calls on this rank's engine, the trainer-state offload and the updates, in order; and the
     rollout vs actor token-probability difference of every update's batch."""
     engine = trainer.rollout.engine._engine  # the sglang.Engine (this rank drives its engine: TP 1)
     for name in ("begin_weight_update", "end_weight_update", "flush_cache", "generate", "release_memory_occupation",
-                 "resume_memory_occupation"):
+                 "resume_memory_occupation", "load_lora_adapter_from_tensors", "unload_lora_adapter"):
         wrap(engine, name, lambda name, args, kwargs: events.append(
             name if "tags" not in kwargs else f"{name}({','.join(kwargs['tags'])})"))
     wrap(engine, "update_weights_from_tensor", lambda *_: events.append("update_weights_from_tensor"))
@@ -220,6 +290,7 @@ def moe_check(trainer, out_dir: Path) -> dict:
 
 def run(args, result: dict) -> None:
     logging.basicConfig(level=logging.WARNING)
+    from mppo.config.lora import adapter_sync
     from mppo.parallel import destroy, init_distributed
     from mppo.rollout import SamplingParams
     from mppo.rollout.factory import build_rollout
@@ -232,6 +303,7 @@ def run(args, result: dict) -> None:
         cfg = load(args.config, overrides)
         # an engine serves any weights of its model's config (the trainer pushes them before every generation)
         config = (Path(cfg.actor_rollout_ref.model.path) / "config.json").read_text()
+        config += f"lora adapters only: {adapter_sync(cfg)}"  # those engines start with SGLang's LoRA support
         if config != served:
             if rollout is not None:
                 rollout.shutdown()
@@ -265,6 +337,12 @@ def run(args, result: dict) -> None:
             continue
         if cfg.actor_rollout_ref.rollout.multi_turn.enable:  # its checks are on the recorded rows
             case["wall_s"] = time.monotonic() - began  # what the case adds to the launch (CI budget)
+            result[name] = case
+            close(trainer)
+            continue
+        if adapter_sync(cfg):
+            case["weights"] = base_vs_exporter(trainer)
+            case["adapters"] = adapter_check(trainer, args.out / f"{name}_adapter")
             result[name] = case
             close(trainer)
             continue

@@ -4,10 +4,11 @@
 # machine cannot reach an index. Results: $OUT/log.txt, $OUT/doctor.json, $OUT/bench_kernels.json,
 # $OUT/bench_attention.json, $OUT/reports/*.json (numbers the tests measured).
 #   OUT=/tmp/gpu-out bash tests/gpu/run_device_checks.sh
-# STAGES picks stages (default "doctor tests bench", sized for one call of <= 9 minutes: 90 + 300 + 150 s; also
+# STAGES picks stages (default "doctor tests bench", sized for one call of <= 9 minutes: 90 + 300 + 150 s (the
+# tests stage grew a LoRA adapter-only SGLang run: with SGLang installed give it a call of its own); also
 # "tune", "tune-ppo" and "attention", ~2 minutes each, and "parallel", <= 6 minutes: `mppo plan` of the scale-out
 # recipes, TP2 + sequence parallelism vs HF (needs 2 GPUs: skipped, saying so, on fewer), a 32k-token log-prob pass
-# on one GPU against its plan and HF; "async", <= 7 minutes: `mppo bench off-policy` on 2 GPUs, skipped, saying so,
+# on one GPU against its plan and HF; "async", <= 9 minutes: `mppo bench off-policy` on 2 GPUs, skipped, saying so,
 # on fewer), GPU_TESTS the pytest targets, BENCH_IMPLS the kernels compared.
 set -u
 OUT="${OUT:-/tmp/mppo-gpu-checks}"
@@ -98,9 +99,9 @@ if [[ " $STAGES " == *" parallel "* ]]; then
 fi
 if [[ " $STAGES " == *" async "* ]]; then
   GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-  stage "co-located vs separate k=0 vs separate k=1 GRPO steps on long-tail lengths (mppo bench off-policy, 2 GPUs)"
+  stage "co-located vs separate k=0, k=1, k=2 GRPO steps on long-tail lengths (mppo bench off-policy, 2 GPUs)"
   if (( GPUS >= 2 )); then
-    timeout 400 "$PY" -m mppo bench off-policy --device cuda --json "$OUT/reports/bench_off_policy.json"
+    timeout 500 "$PY" -m mppo bench off-policy --device cuda --json "$OUT/reports/bench_off_policy.json"
     echo "bench off-policy rc=$?"
   else
     echo "SKIPPED: the separate placement gives the trainer rank and the engine rank a GPU each (cuda:LOCAL_RANK;" \

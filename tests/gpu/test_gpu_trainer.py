@@ -89,3 +89,27 @@ def test_ppo_on_a_sglang_engine_on_gpu(assets, tmp_path):
             assert math.isfinite(m[step][key]), (step, key)
         assert m[step]["actor/grad_norm"] > 0 and m[step]["perf/weight_sync_bytes"] > 0, step
         assert m[step]["training/rollout_probs_diff_max"] < 0.1, step  # bf16 engine vs bf16 actor
+
+
+def test_grpo_with_lora_adapters_only_on_a_sglang_engine_on_gpu(assets, tmp_path):
+    """LoRA with lora.merge=false on the GPU: the engine starts with SGLang's LoRA support (its GPU backend), takes
+    the base once and only the adapters at every later sync, and keeps the base through each release while the
+    memory saver frees its KV cache; 3 GRPO steps whose rollouts match the actor's adapted policy."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed on this GPU machine (pip install 'mppo[gpu]')")
+    run = tmp_path / "sglang_lora"
+    proc = train(tiny_overrides(assets, run, world=1, steps=3, estimator="grpo", n=4) + dense_reward(assets) + [
+        "critic.enable=false", "actor_rollout_ref.rollout.name=sglang",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
+        "actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=16",
+        "actor_rollout_ref.model.lora.merge=false", "actor_rollout_ref.actor.optim.lr=0.01"], gpu=True)
+    m = step_metrics(run)
+    report("trainer_grpo_lora_adapters_sglang_gpu", {s: {k: v for k, v in m[s].items() if not k.startswith("timing")}
+                                                     for s in m} | {"stderr_tail": proc.stderr[-2000:]})
+    assert sorted(m) == [0, 1, 2, 3]
+    for step in (1, 2, 3):
+        assert m[step]["actor/grad_norm"] > 0, step
+        assert m[step]["training/rollout_probs_diff_max"] < 1e-2, step  # fp32 actor, fp32 engine
+    assert m[2]["perf/weight_sync_bytes"] < m[1]["perf/weight_sync_bytes"] / 10  # adapters only after the base

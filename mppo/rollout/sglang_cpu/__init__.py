@@ -17,7 +17,8 @@ tests/test_rollout_sglang_cpu.py, tests/test_trainer_sglang.py):
   update_weights_from_tensor(load_format="flattened_bucket"); flush_cache; get_weights_by_name for Llama-family
   models (bitwise, fp32; sglang's Qwen2ForCausalLM has no get_weights_by_name and returns None); several engines
   on one host, one per trainer rank (each binds its threads to NUMA node 0: base_gpu_id is that node's index
-  there). x86-64 only: on ARM64 SGLang calls a compiled sgl_kernel op at start-up.
+  there); LoRA adapters pushed as tensors (enable_lora, lora_backend="torch_native", load_lora_adapter_from_tensors,
+  with the unpinned buffers of standins/mppo_unpinned_host_memory.py): log-probs equal HF + PEFT ~5e-7. x86-64 only: on ARM64 SGLang calls a compiled sgl_kernel op at start-up.
 - accepted, but frees nothing: release/resume_memory_occupation. torch_memory_saver (enable_memory_saver) is a
   CUDA library; with enable_memory_saver=False SGLang uses its no-op adapter, so on the CPU the engine keeps its
   weights and KV cache through training. The calls and their order are still the GPU's.
