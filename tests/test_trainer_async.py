@@ -25,6 +25,10 @@ from e2e_assets import dense_reward, make_assets, step_metrics, tiny_overrides
 SEPARATE = ["actor_rollout_ref.hybrid_engine=false", "trainer.n_gpus_per_node=1",
             "actor_rollout_ref.rollout.n_gpus_per_node=1", "actor_rollout_ref.rollout.nnodes=1"]
 NOT_COMPARED = ("timing_s/", "perf/", "async/trainer_idle", "async/engine_idle", "async/gen_overlap")
+PARTIAL = ["async_training.max_off_policy_steps=1", "async_training.partial_rollout=true"]
+# a slow engine (each decode step sleeps first): the trainer's update ends, and its new weights arrive, while the
+# engine still generates the next batch
+SLOW_ENGINE = {"MPPO_FAULT_SLOW_DECODE_S": "0.15"}
 
 
 def load(overrides: list[str], world: int):
@@ -38,10 +42,10 @@ def assets(tmp_path_factory) -> Path:
     return make_assets(tmp_path_factory.mktemp("assets"))
 
 
-def train(world: int, overrides: list[str], timeout: float = 600) -> None:
+def train(world: int, overrides: list[str], timeout: float = 600, env: dict[str, str] | None = None) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", "-m", "mppo", "train", "configs/demo_cpu.yaml", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
 
@@ -72,6 +76,10 @@ def test_bad_placements_stop_in_one_line(assets, tmp_path):
         "actor_rollout_ref.rollout.n_gpus_per_node = 0": (SEPARATE + ["actor_rollout_ref.rollout.n_gpus_per_node=0"], 1),
         "multi_turn.enable=true with actor_rollout_ref.hybrid_engine=false": (
             SEPARATE + ["actor_rollout_ref.rollout.multi_turn.enable=true"], 2),
+        "async_training.partial_rollout=true needs async_training.max_off_policy_steps >= 1": (
+            SEPARATE + ["async_training.partial_rollout=true"], 2),
+        "partial_rollout=true with actor_rollout_ref.rollout.name = 'sglang' is not built": (
+            SEPARATE + PARTIAL + ["actor_rollout_ref.rollout.name=sglang"], 2),
     }
     for expected, (extra, world) in cases.items():
         with pytest.raises(ConfigError) as err:
@@ -96,11 +104,12 @@ def runs(assets, tmp_path_factory) -> dict[str, tuple[list[str], Path, dict[int,
         "trainer.save_freq=-1", "trainer.test_freq=2"]
     plans = {"colocated": (1, []), "k0": (2, SEPARATE),
              "k1": (2, SEPARATE + ["async_training.max_off_policy_steps=1", "trainer.total_training_steps=4"]),
-             "k2": (2, SEPARATE + ["async_training.max_off_policy_steps=2", "trainer.total_training_steps=4"])}
+             "k2": (2, SEPARATE + ["async_training.max_off_policy_steps=2", "trainer.total_training_steps=4"]),
+             "k1_partial": (2, SEPARATE + PARTIAL + ["trainer.total_training_steps=4"])}
     out = {}
     for name, (world, extra) in plans.items():
         overrides = common + extra + [f"trainer.default_local_dir={tmp / name}"]
-        train(world, overrides)
+        train(world, overrides, env=SLOW_ENGINE if name == "k1_partial" else None)
         out[name] = (overrides, tmp / name, step_metrics(tmp / name))
     return out
 
@@ -181,6 +190,27 @@ def test_two_step_off_policy_runs_up_to_two_versions_behind(runs):
     # step 2's batch is k=1's (the same request on the same initial weights); step 3's is older than k=1's
     assert k2[2]["critic/score/mean"] == pytest.approx(k1[2]["critic/score/mean"], rel=1e-6)
     assert k2[3]["training/rollout_probs_diff_max"] > k1[3]["training/rollout_probs_diff_max"]
+
+
+def test_partial_rollouts_go_on_on_the_new_weights(runs):
+    """k=1 with partial rollouts and a slow engine: step 1 is the co-located run's; later, the trainer's new
+    weights interrupt the generation of the next batch, which goes on on them. The tokens generated after an
+    interruption have the engine probabilities of the weights the trainer holds (the actor's old log-probs: to
+    1e-6), the earlier ones the last version's (a gap > 10x the co-located run's); staleness counts the oldest."""
+    co, partial = runs["colocated"][2], runs["k1_partial"][2]
+    assert sorted(partial) == [0, 1, 2, 3, 4]
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "training/rollout_probs_diff_max"):
+        assert partial[1][key] == pytest.approx(co[1][key], rel=1e-4, abs=1e-6), key
+    assert partial[1]["async/partial/resumed_fraction"] == 0 and partial[1]["async/staleness/max"] == 0
+    resumed = [step for step in (2, 3, 4) if partial[step]["async/partial/resumed_fraction"] > 0]
+    assert resumed, {step: partial[step]["async/partial/resumed_fraction"] for step in (2, 3, 4)}
+    on_policy_gap = max(co[step]["training/rollout_probs_diff_max"] for step in (1, 2, 3))
+    for step in resumed:
+        assert 0 < partial[step]["async/partial/newer_token_fraction"] < 1, step
+        assert partial[step]["async/partial/current_version_probs_diff_max"] < 1e-6, step
+        assert partial[step]["training/rollout_probs_diff_max"] > 10 * on_policy_gap, step
+    for step in (2, 3, 4):
+        assert partial[step]["async/staleness/max"] == 1, step
 
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -353,6 +353,8 @@ class TrainerConfig:
 class AsyncTrainingConfig:
     # 0: synchronous; 1: one-step off-policy, the engines generate step s+1 while step s trains (hybrid_engine=false)
     max_off_policy_steps: int = 0
+    # a weight update interrupts the generation in flight, which goes on on the new weights (CPU engine, k >= 1)
+    partial_rollout: bool = False
 
 
 @dataclass

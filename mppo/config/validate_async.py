@@ -27,6 +27,8 @@ def check_async(cfg: MppoConfig, world_size: int | None) -> tuple[int, str] | No
     if k < 0:
         raise ConfigError(f"{K} = {show(k)}: must be >= 0 (0: synchronous, 1: one-step off-policy, k: up to k "
                           "steps behind)")
+    if cfg.async_training.partial_rollout:
+        _check_partial_rollout(cfg, k)
     if k > 0 and not is_separate(cfg):
         raise ConfigError(f"{K} = {k} needs {HYBRID}=false: co-located ranks cannot generate while they train; set "
                           f"{HYBRID}=false with actor_rollout_ref.rollout.n_gpus_per_node engine ranks, or {K}=0")
@@ -53,3 +55,17 @@ def check_async(cfg: MppoConfig, world_size: int | None) -> tuple[int, str] | No
         raise ConfigError(str(err)) from None
     return trainer_world, (f"the trainer ranks, trainer.nnodes x trainer.n_gpus_per_node = {t.nnodes} x "
                            f"{t.n_gpus_per_node} ({HYBRID}=false)")
+
+
+def _check_partial_rollout(cfg: MppoConfig, k: int) -> None:
+    key, r = "async_training.partial_rollout", cfg.actor_rollout_ref.rollout
+    if k < 1:
+        raise ConfigError(f"{key}=true needs {K} >= 1 (a weight update interrupts a generation running while the "
+                          f"trainer updates; at {K} = {k} none does); set {K}=1 with {HYBRID}=false, or {key}=false")
+    if r.name != "cpu":
+        raise ConfigError(f"{key}=true with actor_rollout_ref.rollout.name = {r.name!r} is not built: SGLang's "
+                          f"offline engine serves a generate call in one blocking call, which mppo cannot interrupt "
+                          f"yet; set {key}=false or actor_rollout_ref.rollout.name=cpu")
+    if cfg.actor_rollout_ref.actor.router_replay.mode == "R3":
+        raise ConfigError(f"{key}=true with actor_rollout_ref.actor.router_replay.mode=R3 is not built (a resumed "
+                          f"sample's routes would span two versions); set {key}=false or router_replay.mode=disabled")

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Literal, Union
 
 import torch
 
-FinishReason = Literal["stop", "length"]
+# "abort": interrupted by a weight update (partial rollouts, mppo.rollout.partial), to be continued; the trainer
+# never sees it
+FinishReason = Literal["stop", "length", "abort"]
 NamedTensor = tuple[str, torch.Tensor]
 # The exporter's stream: (hf_name, tensor) pairs, or buckets (lists) of them.
 WeightStream = Iterable[Union[NamedTensor, Sequence[NamedTensor]]]
@@ -102,8 +104,11 @@ class RolloutResponse:
     # tool turns' tokens (attended, not trained on); and the tool calls the conversation made
     loss_mask: list[int] | None = None
     num_tool_calls: int | None = None
-    # the policy version (trainer steps done) of the weights that generated it; set by the Rollout that returns it
+    # the policy version (trainer steps done) of the weights that generated it, the oldest of them under partial
+    # rollouts; set by the Rollout that returns it
     policy_version: int | None = None
+    # partial rollouts (async_training.partial_rollout): the policy version that generated each token; else None
+    token_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.log_probs):
@@ -111,8 +116,11 @@ class RolloutResponse:
                 f"RolloutResponse for prompt {self.prompt_index} sample {self.sample_index}: "
                 f"{len(self.token_ids)} token ids but {len(self.log_probs)} log-probs"
             )
-        if self.finish_reason not in ("stop", "length"):
-            raise ValueError(f"finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
+        if self.finish_reason not in ("stop", "length", "abort"):
+            raise ValueError(f"finish_reason must be 'stop', 'length' or 'abort', got {self.finish_reason!r}")
+        if self.token_versions is not None and len(self.token_versions) != len(self.token_ids):
+            raise ValueError(f"RolloutResponse for prompt {self.prompt_index} sample {self.sample_index}: "
+                             f"{len(self.token_ids)} token ids but {len(self.token_versions)} token versions")
         if self.loss_mask is not None and len(self.loss_mask) != len(self.token_ids):
             raise ValueError(f"RolloutResponse for prompt {self.prompt_index} sample {self.sample_index}: "
                              f"{len(self.token_ids)} token ids but a loss mask of {len(self.loss_mask)}")
@@ -165,6 +173,10 @@ def validate_prompts(prompt_token_ids: list[list[int]], prompt_offsets: list[int
 class RolloutEngine(ABC):
     """A rollout engine. Subclasses implement the underscored hooks; this class enforces the life cycle."""
 
+    # partial rollouts: generate(interrupt=...) and continue_generation (the _generate_interruptible and _continue
+    # hooks)
+    supports_partial_rollout = False
+
     def __init__(self) -> None:
         # LoRA adapter-only sync (lora.merge=false): the engine holds the frozen base through release() and takes
         # only the adapters at each sync (update_adapter); a release then frees the KV cache alone
@@ -181,16 +193,48 @@ class RolloutEngine(ABC):
         *,
         step: int,
         prompt_offsets: list[int] | None = None,
+        interrupt: Callable[[], bool] | None = None,
     ) -> list[RolloutResponse]:
         """Sample `sampling.n` responses per prompt. Returned prompt-major: prompt 0's samples 0..n-1, then prompt 1's.
 
         `prompt_offsets[i]` is the GLOBAL index of prompt i (None: 0..len-1). Together with `step` and
         `sampling.seed` it seeds each sample, so DP ranks that each generate a slice of the global prompt list
         produce exactly what one rank generating all of them would.
+
+        `interrupt` (partial rollouts): asked as generation goes; once it returns True the samples still running
+        stop with finish reason "abort", for continue_generation to take on (on new weights).
         """
+        indices = self._check_generate(prompt_token_ids, prompt_offsets, step, interrupt)
+        if interrupt is not None:
+            return self._generate_interruptible(prompt_token_ids, sampling, step, indices, interrupt)
+        return self._generate(prompt_token_ids, sampling, step, indices)
+
+    def continue_generation(self, prompt_token_ids: list[list[int]], partial: list[RolloutResponse],
+                            sampling: SamplingParams, *, step: int,
+                            interrupt: Callable[[], bool] | None = None) -> list[RolloutResponse]:
+        """Go on with each interrupted response (finish reason "abort"; prompt_token_ids[i] is partial[i]'s
+        prompt) on the weights loaded now, from the token it stopped at, in its own random stream, up to
+        `sampling.max_new_tokens` in all: the tokens each adds, with the finish reason of the whole."""
+        if any(r.finish_reason != "abort" for r in partial) or len(partial) != len(prompt_token_ids):
+            raise ValueError("continue_generation() takes the interrupted responses (finish reason 'abort') and "
+                             "their prompts, one each")
+        if not partial:
+            return []
+        self._check_generate(prompt_token_ids, [r.prompt_index for r in partial], step, interrupt, unique=False)
+        return self._continue(prompt_token_ids, partial, sampling, step, interrupt)
+
+    def _check_generate(self, prompt_token_ids: list[list[int]], prompt_offsets: list[int] | None, step: int,
+                        interrupt: Callable[[], bool] | None, unique: bool = True) -> list[int]:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"generate() needs the training step as an int >= 0, got {step!r}")
-        indices = validate_prompts(prompt_token_ids, prompt_offsets)
+        if interrupt is not None and not self.supports_partial_rollout:
+            raise NotImplementedError(f"{type(self).__name__} cannot interrupt a generation (partial rollouts, "
+                                      "async_training.partial_rollout); use actor_rollout_ref.rollout.name=cpu")
+        if unique:
+            indices = validate_prompts(prompt_token_ids, prompt_offsets)
+        else:  # continuations: a prompt's samples each continue on their own
+            validate_prompts(prompt_token_ids, None)
+            indices = list(prompt_offsets or [])
         if not self._weights_loaded:
             raise RolloutStateError(
                 "generate() before update_weights(): the engine's weights hold no values yet "
@@ -198,7 +242,7 @@ class RolloutEngine(ABC):
             )
         if not self._kv_resident:
             raise RolloutStateError("generate() while the KV cache is released: call resume() after update_weights()")
-        return self._generate(prompt_token_ids, sampling, step, indices)
+        return indices
 
     def update_weights(self, named_tensors: WeightStream) -> None:
         """Load a FULL set of HF-named weights from the exporter's stream of (hf_name, tensor) pairs or buckets."""
@@ -267,6 +311,14 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def _flush_cache(self) -> None: ...
+
+    def _generate_interruptible(self, prompt_token_ids: list[list[int]], sampling: SamplingParams, step: int,
+                                prompt_indices: list[int], interrupt: Callable[[], bool]) -> list[RolloutResponse]:
+        raise NotImplementedError  # engines with supports_partial_rollout = True implement it
+
+    def _continue(self, prompt_token_ids: list[list[int]], partial: list[RolloutResponse], sampling: SamplingParams,
+                  step: int, interrupt: Callable[[], bool] | None) -> list[RolloutResponse]:
+        raise NotImplementedError  # engines with supports_partial_rollout = True implement it
 
     def _load_adapter(self, tensors: dict[str, torch.Tensor], config: dict) -> None:
         raise NotImplementedError(f"{type(self).__name__} takes merged weights only (lora.merge=true); adapter-only "

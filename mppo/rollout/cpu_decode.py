@@ -15,7 +15,10 @@ small ops slower with two threads than with one, are avoided too.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -29,6 +32,17 @@ from mppo.rollout.sampling import choose_tokens, counter_uniforms
 Result = tuple[list[int], list[float], str, "torch.Tensor | None"]
 # Random numbers are drawn for this many token positions of every sample at once (one tensor expression).
 UNIFORM_BLOCK = 64
+SLOW_DECODE_ENV = "MPPO_FAULT_SLOW_DECODE_S"  # seconds every decode step sleeps (see mppo.trainer.faults)
+
+
+@dataclasses.dataclass(frozen=True)
+class Continuation:
+    """Partial rollouts (mppo.rollout.partial): per sample, the tokens it generated already (its random stream's
+    position) and how many it may still generate; `interrupt` is asked after every decode step."""
+
+    offsets: list[int]
+    budgets: list[int]
+    interrupt: Callable[[], bool] | None = None
 
 
 @dataclasses.dataclass
@@ -101,11 +115,19 @@ def _stacked(routes: list[torch.Tensor]) -> torch.Tensor:
 
 
 def generate_group(runner: PackedCausalLM, rope: Rope, prompts: list[list[int]], sampling: SamplingParams,
-                   seeds: list[int], stop_ids: tuple[int, ...], record_routes: bool = False) -> list[Result]:
+                   seeds: list[int], stop_ids: tuple[int, ...], record_routes: bool = False,
+                   continuation: Continuation | None = None) -> list[Result]:
     """Results for each sample of `prompts`, prompt-major; seeds[prompt * n + i] seeds sample i of the prompt.
-    `record_routes`: also return each sample's routed experts (a MoE model's, for routing replay)."""
-    n, max_new = sampling.n, sampling.max_new_tokens
+    `record_routes`: also return each sample's routed experts (a MoE model's, for routing replay).
+    `continuation` (partial rollouts): the samples go on from token `offsets[i]` of their random streams for at
+    most `budgets[i]` tokens (a prompt is then the sample's prompt plus what it generated so far, n = 1), and
+    stop early, finish reason "abort", when `interrupt()` says so."""
+    n = sampling.n
     count = len(prompts) * n
+    budgets = torch.tensor(continuation.budgets if continuation else [sampling.max_new_tokens] * count)
+    offsets = torch.tensor(continuation.offsets if continuation else [0] * count, dtype=torch.int64)
+    interrupt = continuation.interrupt if continuation else None
+    max_new = int(budgets.max())
     all_seeds = torch.tensor(seeds, dtype=torch.int64)
     all_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
     prompt_kv = runner.allocate_prompts(all_lengths.tolist())
@@ -114,12 +136,14 @@ def generate_group(runner: PackedCausalLM, rope: Rope, prompts: list[list[int]],
     stop = torch.tensor(stop_ids, dtype=torch.int64)
     tokens_out = torch.zeros(count, max_new, dtype=torch.int64)
     log_probs_out = torch.zeros(count, max_new, dtype=torch.float32)
-    generated = torch.full((count,), max_new, dtype=torch.int64)
+    generated = budgets.clone()
     stopped = torch.zeros(count, dtype=torch.bool)
+    aborted = torch.zeros(count, dtype=torch.bool)
     # routed experts of generated token j (fed at decode step j) of every sample
     routes_out = (torch.zeros(count, max(max_new - 1, 0), runner.moe_layers, runner.top_k, dtype=torch.int32)
                   if record_routes else None)
 
+    delay = float(os.environ.get(SLOW_DECODE_ENV) or 0.0)  # a slow engine, for tests (mppo.trainer.faults)
     samples = torch.arange(count)
     own = runner.allocate_samples(len(prompts), n, max(1, max_new - 1))
     batch = _batch(torch.arange(len(prompts)), samples, prompt_kv, own, n, all_lengths)
@@ -128,24 +152,32 @@ def generate_group(runner: PackedCausalLM, rope: Rope, prompts: list[list[int]],
     for position in range(max_new):
         with torch._C.DisableTorchFunction():  # CPU tensors only (see PackedCausalLM.prefill)
             if position % UNIFORM_BLOCK == 0:  # [samples, UNIFORM_BLOCK]: the next positions' random numbers
-                uniforms = counter_uniforms(all_seeds[:, None], torch.arange(position, position + UNIFORM_BLOCK))
+                uniforms = counter_uniforms(all_seeds[:, None],
+                                            offsets[:, None] + torch.arange(position, position + UNIFORM_BLOCK))
             tokens, log_probs = choose_tokens(logits, sampling, uniforms[batch.row_samples, position % UNIFORM_BLOCK])
             tokens_out[live_samples, position] = tokens[live]
             log_probs_out[live_samples, position] = log_probs[live]
             if position == max_new - 1:
                 break
-            if stop.numel():
-                hit = torch.isin(tokens[live], stop)
-                if bool(hit.any()):
-                    generated[live_samples[hit]] = position + 1
-                    stopped[live_samples[hit]] = True
-                    batch.alive[live[hit]] = False
-                    if not bool(batch.alive.any()):
-                        break
-                    if _should_compact(batch, n):
-                        batch, old_rows = _compact(batch, n, all_lengths)
-                        tokens = tokens[old_rows]
-                    live, live_samples = batch.live_rows()
+            hit = torch.isin(tokens[live], stop) if stop.numel() else torch.zeros(live.shape[0], dtype=torch.bool)
+            if bool(hit.any()):
+                generated[live_samples[hit]] = position + 1
+                stopped[live_samples[hit]] = True
+            hit |= budgets[live_samples] == position + 1  # a continuation's own budget ("length")
+            if interrupt is not None and interrupt():  # new weights: the live samples stop here, to go on later
+                generated[live_samples[~hit]] = position + 1
+                aborted[live_samples[~hit]] = True
+                break
+            if bool(hit.any()):
+                batch.alive[live[hit]] = False
+                if not bool(batch.alive.any()):
+                    break
+                if _should_compact(batch, n):
+                    batch, old_rows = _compact(batch, n, all_lengths)
+                    tokens = tokens[old_rows]
+                live, live_samples = batch.live_rows()
+        if delay:
+            time.sleep(delay)
         step_routes: list[torch.Tensor] | None = [] if record_routes else None
         logits = runner.decode(tokens, batch.prompt_lengths + position, batch.prompts, batch.own, position,
                                batch.layout, rope, step_routes)
@@ -158,16 +190,19 @@ def generate_group(runner: PackedCausalLM, rope: Rope, prompts: list[list[int]],
         starts = torch.cat([torch.zeros(1, dtype=torch.int64), all_lengths.cumsum(0)]).tolist()
         routes = [torch.cat([packed[starts[i // n]:starts[i // n + 1]], routes_out[i, :length - 1]])
                   for i, length in enumerate(generated.tolist())]
-    return [(tokens[:length], log_probs[:length], "stop" if stop_hit else "length", sample_routes)
-            for tokens, log_probs, length, stop_hit, sample_routes in zip(token_lists, log_prob_lists,
-                                                                          generated.tolist(), stopped.tolist(),
-                                                                          routes)]
+    reasons = ["abort" if abort else "stop" if stop_hit else "length"
+               for abort, stop_hit in zip(aborted.tolist(), stopped.tolist())]
+    return [(tokens[:length], log_probs[:length], reason, sample_routes)
+            for tokens, log_probs, length, reason, sample_routes in zip(token_lists, log_prob_lists,
+                                                                        generated.tolist(), reasons, routes)]
 
 
 def generate(runner: PackedCausalLM, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int],
-             stop_ids: tuple[int, ...], record_routes: bool = False) -> list[Result]:
+             stop_ids: tuple[int, ...], record_routes: bool = False,
+             continuation: Continuation | None = None) -> list[Result]:
     """generate_group over all prompts, split over one worker per torch intra-op thread (module docstring)."""
-    rope = runner.rope(max(len(p) for p in prompts) + sampling.max_new_tokens)
+    budget = max(continuation.budgets) if continuation else sampling.max_new_tokens
+    rope = runner.rope(max(len(p) for p in prompts) + budget)
     threads = torch.get_num_threads()
     workers = min(threads, len(prompts))
     bounds = [len(prompts) * i // workers for i in range(workers + 1)]
@@ -181,8 +216,10 @@ def generate(runner: PackedCausalLM, prompts: list[list[int]], sampling: Samplin
             # single-threaded kernels in every worker; OpenMP's thread count is per calling thread, and a new
             # thread starts from OMP_NUM_THREADS (or all cores)
             torch.set_num_threads(1)
+            part = None if continuation is None else dataclasses.replace(
+                continuation, offsets=continuation.offsets[lo * n:hi * n], budgets=continuation.budgets[lo * n:hi * n])
             results[index] = generate_group(runner, rope, prompts[lo:hi], sampling, seeds[lo * n : hi * n], stop_ids,
-                                            record_routes)
+                                            record_routes, part)
         except BaseException as exc:  # re-raised in the calling thread
             errors.append(exc)
 

@@ -20,15 +20,16 @@ with mppo.models.weight_transport.release_staging_buffers() on every rank once t
 """
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from mppo.models.weight_transport import is_staged
 from mppo.rollout.base import NamedTensor, RolloutEngine, RolloutResponse, SamplingParams
-from mppo.rollout.cpu_decode import generate
+from mppo.rollout.cpu_decode import Continuation, Result, generate
 from mppo.rollout.cpu_model import PackedCausalLM, check_supported
 from mppo.rollout.seeding import sample_seed
 
@@ -149,34 +150,64 @@ class CPURolloutEngine(RolloutEngine):
         pass  # no prefix cache survives a generate() call
 
     # ---- generation -------------------------------------------------------------------------------------------
+    supports_partial_rollout = True
+
     def _generate(
         self, prompt_token_ids: list[list[int]], sampling: SamplingParams, step: int, prompt_indices: list[int]
     ) -> list[RolloutResponse]:
+        return self._generate_interruptible(prompt_token_ids, sampling, step, prompt_indices, None)
+
+    def _generate_interruptible(self, prompt_token_ids: list[list[int]], sampling: SamplingParams, step: int,
+                                prompt_indices: list[int], interrupt: Callable[[], bool] | None
+                                ) -> list[RolloutResponse]:
+        self._check_prompts(prompt_token_ids, sampling.max_new_tokens)
+        seeds = [sample_seed(sampling.seed, step, prompt_indices[p], s)
+                 for p in range(len(prompt_token_ids)) for s in range(sampling.n)]
+        keys = [(prompt_indices[slot // sampling.n], slot % sampling.n) for slot in range(len(seeds))]
+        continuation = None if interrupt is None else Continuation(
+            offsets=[0] * len(seeds), budgets=[sampling.max_new_tokens] * len(seeds), interrupt=interrupt)
+        out = generate(self._runner, prompt_token_ids, sampling, seeds, self._stop_ids(sampling),
+                       self._record_routes, continuation)
+        return _responses(keys, out)
+
+    def _continue(self, prompt_token_ids: list[list[int]], partial: list[RolloutResponse], sampling: SamplingParams,
+                  step: int, interrupt: Callable[[], bool] | None) -> list[RolloutResponse]:
+        if self._record_routes:
+            raise NotImplementedError("partial rollouts do not record routed experts (router_replay R3)")
+        # each sample on its own: its prompt and what it generated so far are the new prompt (a re-prefill on the
+        # new weights), its random stream goes on from the token it stopped at
+        prefixes = [list(prompt) + list(r.token_ids) for prompt, r in zip(prompt_token_ids, partial)]
+        budgets = [sampling.max_new_tokens - len(r.token_ids) for r in partial]
+        if min(budgets) < 1:
+            raise ValueError("continue_generation(): a response already holds sampling.max_new_tokens tokens")
+        self._check_prompts(prompt_token_ids, sampling.max_new_tokens)
+        seeds = [sample_seed(sampling.seed, step, r.prompt_index, r.sample_index) for r in partial]
+        continuation = Continuation(offsets=[len(r.token_ids) for r in partial], budgets=budgets, interrupt=interrupt)
+        out = generate(self._runner, prefixes, dataclasses.replace(sampling, n=1), seeds, self._stop_ids(sampling),
+                       False, continuation)
+        return _responses([(r.prompt_index, r.sample_index) for r in partial], out)
+
+    def _check_prompts(self, prompt_token_ids: list[list[int]], max_new_tokens: int) -> None:
         limit = self._config.max_position_embeddings
         longest = max(len(p) for p in prompt_token_ids)
-        if longest + sampling.max_new_tokens > limit:
+        if longest + max_new_tokens > limit:
             raise ValueError(
-                f"prompt ({longest} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the model's "
+                f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                 f"max_position_embeddings ({limit})"
             )
         vocab = self._config.vocab_size
         if any(t >= vocab for p in prompt_token_ids for t in p):
             raise ValueError(f"a prompt contains a token id >= the vocabulary size {vocab}")
-        stop_ids = () if sampling.ignore_eos else tuple(sorted(set(sampling.stop_token_ids) | self._config_eos))
-        seeds = [sample_seed(sampling.seed, step, prompt_indices[p], s)
-                 for p in range(len(prompt_token_ids)) for s in range(sampling.n)]
-        out = generate(self._runner, prompt_token_ids, sampling, seeds, stop_ids, self._record_routes)
-        return [
-            RolloutResponse(
-                prompt_index=prompt_indices[slot // sampling.n],
-                sample_index=slot % sampling.n,
-                token_ids=tokens,
-                log_probs=log_probs,
-                finish_reason=reason,  # type: ignore[arg-type]
-                routed_experts=routes,
-            )
-            for slot, (tokens, log_probs, reason, routes) in enumerate(out)
-        ]
+
+    def _stop_ids(self, sampling: SamplingParams) -> tuple[int, ...]:
+        return () if sampling.ignore_eos else tuple(sorted(set(sampling.stop_token_ids) | self._config_eos))
+
+
+def _responses(keys: list[tuple[int, int]], out: list[Result]) -> list[RolloutResponse]:
+    return [RolloutResponse(prompt_index=prompt_index, sample_index=sample_index, token_ids=tokens,
+                            log_probs=log_probs, finish_reason=reason,  # type: ignore[arg-type]
+                            routed_experts=routes)
+            for (prompt_index, sample_index), (tokens, log_probs, reason, routes) in zip(keys, out)]
 
 
 _FUSED_EXPERTS = re.compile(r"(.+\.mlp\.experts)\.(gate_up_proj|down_proj)")

@@ -57,6 +57,7 @@ from mppo.config.lora import adapter_sync
 from mppo.models.hf_config import HFModelArgs, read_hf_config
 from mppo.rollout.agent_loop import AgentLoop, ToolRunner
 from mppo.rollout.base import RolloutEngine, RolloutResponse, SamplingParams
+from mppo.rollout.partial import WeightSwitch, generate_partial
 from mppo.rollout.seeding import stable_hash63
 from mppo.rollout.tools import ToolCall
 from mppo.rollout.weight_sync import SyncStats, push_actor_adapters, push_actor_weights
@@ -303,21 +304,29 @@ class Rollout:
         return stats
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, step: int,
-                 first_index: int = 0, agent: AgentLoop | None = None) -> list[RolloutResponse]:
+                 first_index: int = 0, agent: AgentLoop | None = None,
+                 partial: WeightSwitch | None = None) -> list[RolloutResponse]:
         """Step 5: every response to the GLOBAL `prompts` (prompt i has global index first_index + i), on every
         rank, prompt-major in global order. Each group generates its share (module docstring); with `agent`
-        (rollout.multi_turn) each group runs the agent loop on its share, over its engine."""
+        (rollout.multi_turn) each group runs the agent loop on its share, over its engine. `partial` (partial
+        rollouts, the engine ranks of the separate placement): new weights interrupt the generation, which goes
+        on on them (mppo.rollout.partial); each response then carries its tokens' versions."""
         share = self.layout.share(len(prompts))
         mine: list[Any] = []
         if len(share):
             own = [list(prompts[i]) for i in share]
             offsets = [first_index + i for i in share]
-            if agent is None:
+            if partial is not None:
+                mine = generate_partial(self.engine, own, sampling, step=step, prompt_offsets=offsets,
+                                        switch=partial)
+            elif agent is None:
                 mine = self.engine.generate(own, sampling, step=step, prompt_offsets=offsets)
             else:
                 mine = agent.generate(self.engine, own, sampling, step=step, prompt_offsets=offsets,
                                       run_tools=self._group_tools(agent))
         responses = self._gather(mine if self.layout.is_driver else [])
+        if partial is not None:
+            return responses
         return [dataclasses.replace(r, policy_version=self.version) for r in responses]
 
     def _group_tools(self, agent: AgentLoop) -> ToolRunner:
@@ -358,7 +367,8 @@ class Rollout:
 
 def pack_responses(responses: list[RolloutResponse]) -> dict[str, torch.Tensor]:
     """Responses as a few flat tensors (they pickle as raw bytes, unlike lists of Python numbers), with what they
-    carry beyond tokens and log-probs: routed experts, multi-turn loss masks and tool-call counts."""
+    carry beyond tokens and log-probs: routed experts, multi-turn loss masks and tool-call counts, partial
+    rollouts' token versions (a response's policy version is then the oldest of them)."""
     lengths = [len(r.token_ids) for r in responses]
     packed = {
         "keys": torch.tensor([[r.prompt_index, r.sample_index, r.finish_reason == "stop"] for r in responses],
@@ -373,6 +383,8 @@ def pack_responses(responses: list[RolloutResponse]) -> dict[str, torch.Tensor]:
     if responses and responses[0].loss_mask is not None:
         packed["loss_mask"] = torch.tensor([m for r in responses for m in r.loss_mask], dtype=torch.int8)
         packed["num_tool_calls"] = torch.tensor([r.num_tool_calls for r in responses], dtype=torch.int64)
+    if responses and responses[0].token_versions is not None:
+        packed["token_versions"] = torch.tensor([v for r in responses for v in r.token_versions], dtype=torch.int64)
     return packed
 
 
@@ -383,11 +395,13 @@ def unpack_responses(packed: dict[str, torch.Tensor]) -> list[RolloutResponse]:
     routes = packed["routes"].split(packed["route_lengths"].tolist()) if "routes" in packed else none
     loss_masks = [m.tolist() for m in packed["loss_mask"].split(lengths)] if "loss_mask" in packed else none
     tool_calls = packed["num_tool_calls"].tolist() if "num_tool_calls" in packed else none
+    versions = [v.tolist() for v in packed["token_versions"].split(lengths)] if "token_versions" in packed else none
     return [RolloutResponse(prompt_index=int(key[0]), sample_index=int(key[1]), token_ids=t.tolist(),
                             log_probs=lp.tolist(), finish_reason="stop" if key[2] else "length",
-                            routed_experts=experts, loss_mask=mask, num_tool_calls=calls)
-            for key, t, lp, experts, mask, calls in zip(packed["keys"].tolist(), tokens, log_probs, routes,
-                                                         loss_masks, tool_calls)]
+                            routed_experts=experts, loss_mask=mask, num_tool_calls=calls, token_versions=version,
+                            policy_version=min(version, default=None) if version is not None else None)
+            for key, t, lp, experts, mask, calls, version in zip(packed["keys"].tolist(), tokens, log_probs, routes,
+                                                                  loss_masks, tool_calls, versions)]
 
 
 def build_rollout(cfg: MppoConfig, *, device: torch.device, dtype: torch.dtype, log_dir: Path,

@@ -21,7 +21,9 @@ while the main thread serves the queue in order. So the trainer can keep up to k
 version while they run: the engines load it after the generations asked for before it, and the requests after it
 run on it. `generate` of a prefetched request collects the answers up to its own, in order. An answer the
 trainer has not collected yet waits on the sender thread (bounded by trainer.collective_timeout_s); a new weight
-version waits for the generations in flight before it: there are no partial rollouts.
+version waits for the generations in flight before it, unless async_training.partial_rollout: then it interrupts
+the generation in flight, which goes on on it (mppo.rollout.partial), and the requests queued before it run on it
+too.
 
 A checkpoint keeps the generation in flight (`prefetched`, `restore`; written by mppo.trainer.offpolicy): a resumed
 run trains on the very responses the uninterrupted run would have, generated on the weights one version back.
@@ -47,6 +49,7 @@ from mppo.models.hf_config import HFModelArgs
 from mppo.parallel.placement import Side
 from mppo.rollout.base import NamedTensor, RolloutResponse, SamplingParams
 from mppo.rollout.factory import build_rollout, launch_layout, pack_responses, unpack_responses
+from mppo.rollout.partial import WeightSwitch
 from mppo.rollout.weight_sync import SyncStats, push_actor_weights
 
 log = logging.getLogger("mppo")
@@ -63,6 +66,19 @@ class GenerationRecord:
     end: float
     trainer_wait_s: float
     collected: float
+    # partial rollouts: of `responses`, those whose tokens span more than one version; of `tokens`, those
+    # generated on a newer version than the response's first
+    responses: int = 0
+    resumed: int = 0
+    tokens: int = 0
+    newer_tokens: int = 0
+
+
+def partial_counts(responses: list[RolloutResponse]) -> dict[str, int]:
+    """GenerationRecord's partial-rollout counts of these responses (all 0 without token versions)."""
+    spans = [r.token_versions for r in responses if r.token_versions]
+    return {"responses": len(spans), "resumed": sum(v[0] != v[-1] for v in spans),
+            "tokens": sum(len(v) for v in spans), "newer_tokens": sum(len(v) - v.count(v[0]) for v in spans)}
 
 
 @dataclass
@@ -162,8 +178,10 @@ class RemoteRollout:
         answer = self.bridge.broadcast_object(None, self._engine0, answers=True)
         wait = time.perf_counter() - began
         version = answer["version"]
-        request.received = [dataclasses.replace(r, policy_version=version) for r in unpack_responses(answer["packed"])]
-        request.record = GenerationRecord(version, answer["start"], answer["end"], wait, time.time())
+        request.received = [r if r.token_versions else dataclasses.replace(r, policy_version=version)
+                            for r in unpack_responses(answer["packed"])]
+        request.record = GenerationRecord(version, answer["start"], answer["end"], wait, time.time(),
+                                          **partial_counts(request.received))
         self.records.append(request.record)
         self._ready.append(request)
 
@@ -251,7 +269,7 @@ def serve_engine(cfg: MppoConfig, side: Side, *, run_dir: Path) -> int:
     """The engine ranks' program: start the engines, serve the trainer's messages in order until `stop`."""
     bridge = side.bridge
     is_first = bridge.rank == side.placement.engine_ranks[0]
-    inbox: queue.Queue = queue.Queue()
+    inbox = _Inbox()
     outbox: queue.Queue = queue.Queue()
     failed: list[BaseException] = []  # the sender thread's error, raised here (the trainer would only time out)
     receiver = threading.Thread(target=_receive, args=(side, inbox), name="mppo-rollout-inbox", daemon=True)
@@ -259,6 +277,12 @@ def serve_engine(cfg: MppoConfig, side: Side, *, run_dir: Path) -> int:
     receiver.start()
     sender.start()
     rollout, version = None, None
+
+    def load(message: dict[str, Any]) -> int:
+        rollout.engine.update_weights(_on_device(message["buckets"], bridge.device))
+        rollout.engine.resume()
+        return message["version"]
+
     while True:
         message = inbox.get()
         if isinstance(message, BaseException):  # the receiver failed: so does the engine side, with its error
@@ -274,14 +298,17 @@ def serve_engine(cfg: MppoConfig, side: Side, *, run_dir: Path) -> int:
                                     layout=launch_layout(cfg.actor_rollout_ref.rollout.tensor_model_parallel_size,
                                                          local_world=side.placement.engines_per_node))
         elif op == "weights":
-            rollout.engine.update_weights(_on_device(message["buckets"], bridge.device))
-            rollout.engine.resume()
-            version = message["version"]
+            version = load(message)
         elif op == "generate":
             start = time.time()
+            switch = None
+            if cfg.async_training.partial_rollout:
+                switch = WeightSwitch(pending=inbox.weights_pending, version=version,
+                                      load_newest=lambda: load(inbox.take_newest_weights()))
             responses = rollout.generate(message["prompts"], SamplingParams(**message["sampling"]),
-                                         step=message["step"], first_index=message["first_index"])
+                                         step=message["step"], first_index=message["first_index"], partial=switch)
             answer = {"version": version, "start": start, "end": time.time(), "packed": pack_responses(responses)}
+            version = version if switch is None else switch.version
             outbox.put(answer if is_first else None)
         else:
             raise ValueError(f"unknown rollout message {op!r}")
@@ -296,7 +323,61 @@ def serve_engine(cfg: MppoConfig, side: Side, *, run_dir: Path) -> int:
 _STOP = object()  # the main thread to the sender thread: every answer is queued
 
 
-def _receive(side: Side, inbox: queue.Queue) -> None:
+class _Inbox:
+    """The receiver thread's messages in order, and how many weight versions among them the main thread has not
+    taken yet: partial rollouts take the newest ahead of its turn (`take_newest_weights`)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._backlog: collections.deque = collections.deque()  # taken off the queue, not yet served
+        self._lock = threading.Lock()
+        self._weights = 0
+
+    def put(self, message: Any) -> None:
+        """The receiver thread's side."""
+        self._queue.put(message)
+        if _is_weights(message):  # counted once queued: a count > 0 means a version is there to take
+            with self._lock:
+                self._weights += 1
+
+    def get(self) -> Any:
+        message = self._backlog.popleft() if self._backlog else self._queue.get()
+        self._took(message)
+        return message
+
+    def weights_pending(self) -> bool:
+        return self._weights > 0
+
+    def take_newest_weights(self) -> dict[str, Any]:
+        """The newest weight version received; older ones not loaded yet are dropped (superseded), the other
+        messages keep their order."""
+        while True:
+            try:
+                self._backlog.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        versions = [m for m in self._backlog if _is_weights(m)]
+        if not versions:
+            raise RuntimeError("partial rollout: a weight update was announced but none is queued")
+        for message in versions:
+            self._backlog.remove(message)
+            self._took(message)
+        for message in versions[:-1]:
+            log.info("partial rollout: weight version %d superseded by %d before it was loaded", message["version"],
+                     versions[-1]["version"])
+        return versions[-1]
+
+    def _took(self, message: Any) -> None:
+        if _is_weights(message):
+            with self._lock:
+                self._weights -= 1
+
+
+def _is_weights(message: Any) -> bool:
+    return isinstance(message, dict) and message["op"] == "weights"
+
+
+def _receive(side: Side, inbox: _Inbox) -> None:
     """The engine ranks' receiver thread: every message of the first trainer rank, as it comes, into `inbox`; a
     weight stream is received whole first (the engines may be generating: they load it when they get to it)."""
     bridge, driver = side.bridge, side.placement.trainer_ranks[0]
@@ -325,4 +406,4 @@ def _answer(side: Side, outbox: queue.Queue, failed: list[BaseException]) -> Non
         failed.append(exc)
 
 
-__all__ = ["GenerationRecord", "RemoteRollout", "request_key", "serve_engine"]
+__all__ = ["GenerationRecord", "RemoteRollout", "partial_counts", "request_key", "serve_engine"]

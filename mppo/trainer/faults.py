@@ -7,6 +7,9 @@
     MPPO_FAULT=nan_loss@step:1                     NaN advantages and returns: the actor's and critic's losses are NaN
     MPPO_FAULT="nan_loss@step:1;nan_loss@step:3+"  several faults, separated by ';'. `N+` is step N and every later one
 
+    MPPO_FAULT_SLOW_DECODE_S=0.05                  every decode step of the CPU engine sleeps 50 ms first: a slow
+                                                   engine (the partial-rollout tests: an update that lands mid-generation)
+
 Steps count as in metrics.jsonl (the first training step is 1); a fault without `step:` fires at every step.
 Checkpoint points are `after:<part>` (actor, critic) and `before:rename` (everything written, manifest included).
 The variable is read once at start-up; unset, the trainer holds no injector and its hooks cost nothing.

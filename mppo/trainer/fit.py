@@ -205,6 +205,9 @@ class PPOTrainer:
                 with self.phase(timer, "old_log_prob"):
                     self.compute_old_log_probs(batch, temperature)
                 metrics.update(rollout_correction.mismatch_metrics(batch, self.io.dp_group))
+                if "rollout_token_versions" in batch:  # partial rollouts
+                    keys = ("rollout_log_probs", "old_log_probs", "response_mask", "rollout_token_versions")
+                    metrics.update(offpolicy.partial_rollout_metrics(self.gather_global(batch, keys), self.step))
             if self.ref is not None:
                 with self.phase(timer, "ref"):
                     batch["ref_log_prob"] = self.ref.compute_log_prob(batch, temperature=temperature)

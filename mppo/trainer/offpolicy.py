@@ -12,6 +12,10 @@ each step saw into the `async/` metrics:
                                  or a request (from step 2)
     async/gen_overlap_s          seconds of this step's generation that ran while the previous step updated
                                  (from the end of its generation phase to its end): > 0 is the pipeline at work
+    async/partial/resumed_fraction      partial rollouts: share of the batch's responses a weight update
+                                        interrupted (they went on on the new weights)
+    async/partial/newer_token_fraction  share of the batch's tokens generated on a newer version than their
+                                        response's first
 
 A checkpoint keeps the generation in flight (`in_flight_writers`, `restore_in_flight`): at k=1 the checkpoint after
 step s is written while the engines generate step s+1 on the weights of version s-1, which the checkpoint does not
@@ -99,14 +103,15 @@ def restore_in_flight(rollout: Any, checkpoint: Path) -> int:
     from safetensors.torch import load_file
 
     from mppo.rollout.factory import unpack_responses
-    from mppo.rollout.remote import GenerationRecord, request_key
+    from mppo.rollout.remote import GenerationRecord, partial_counts, request_key
 
     requests, tensors = json.loads((directory / _REQUESTS).read_text()), load_file(directory / _RESPONSES)
     for i, request in enumerate(requests):
         packed = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.split(".", 1)[0] == str(i)}
         version = request["version"]
-        responses = [replace(r, policy_version=version) for r in unpack_responses(packed)]
-        record = GenerationRecord(version, request["start"], request["end"], trainer_wait_s=0.0, collected=0.0)
+        responses = [r if r.token_versions else replace(r, policy_version=version) for r in unpack_responses(packed)]
+        record = GenerationRecord(version, request["start"], request["end"], trainer_wait_s=0.0, collected=0.0,
+                                  **partial_counts(responses))
         rollout.restore(request_key(request["prompts"], request["sampling"], request["step"],
                                     request["first_index"]), responses, record)
         log.info("restored the generation in flight at the checkpoint: step %d's responses (policy version %d)",
@@ -117,6 +122,18 @@ def restore_in_flight(rollout: Any, checkpoint: Path) -> int:
 def prompt_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
     """The prompts' token ids without their left padding."""
     return [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)]
+
+
+def partial_rollout_metrics(full: dict[str, torch.Tensor], trainer_version: int) -> dict[str, float]:
+    """`async/partial/current_version_probs_diff_max`: over the tokens a partial rollout generated on the weights
+    the trainer holds now (`trainer_version`), the largest |p_engine - p_actor| of the sampled token: ~0 when the
+    interrupted generations really went on on the new weights. `full`: the global batch's rollout_log_probs,
+    old_log_probs, response_mask and rollout_token_versions."""
+    current = (full["rollout_token_versions"] == trainer_version) & full["response_mask"].bool()
+    if not bool(current.any()):
+        return {}
+    diff = (full["rollout_log_probs"].double().exp() - full["old_log_probs"].double().exp()).abs()
+    return {"async/partial/current_version_probs_diff_max": float(diff[current].max())}
 
 
 def staleness_metrics(versions: torch.Tensor, trainer_version: int) -> dict[str, float]:
@@ -147,6 +164,9 @@ class PipelineMetrics:
             self.previous_gen_end = record.end
         if cycle > 0:
             metrics["async/engine_idle_fraction"] = idle / cycle
+        if batch_record is not None and batch_record.responses:  # partial rollouts
+            metrics["async/partial/resumed_fraction"] = batch_record.resumed / batch_record.responses
+            metrics["async/partial/newer_token_fraction"] = batch_record.newer_tokens / max(batch_record.tokens, 1)
         if batch_record is not None:
             overlap = 0.0
             if self.previous_update is not None:

@@ -13,7 +13,9 @@ Row r of the batch is sample `r % n` of prompt `r // n` (prompt-major, as engine
                    experts each MoE layer chose for each token, by input_ids column; columns the engine did not run
                    (padding, the last response token) hold experts 0..k-1
     num_tool_calls [B·n]       multi-turn responses only (mppo.rollout.agent_loop): tool calls per response
-    policy_version [B·n]       the version (trainer steps done) of the weights that generated each response
+    policy_version [B·n]       the version (trainer steps done) of the weights that generated each response (the
+                               oldest of its tokens' under partial rollouts)
+    rollout_token_versions [B·n, T]  partial rollouts only: the version that generated each token, -1 on padding
 """
 from __future__ import annotations
 
@@ -50,6 +52,11 @@ def build_rollout_batch(prompts: PromptBatch, responses: Sequence[RolloutRespons
     extra = {}
     if responses and responses[0].policy_version is not None:  # the weights' version that generated each sample
         extra["policy_version"] = torch.tensor([r.policy_version for r in responses], dtype=torch.int64)
+    if responses and responses[0].token_versions is not None:  # partial rollouts
+        versions = torch.full((rows, max_response_length), -1, dtype=torch.int64)
+        for r, resp in enumerate(responses):
+            versions[r, :len(resp.token_versions)] = torch.tensor(resp.token_versions, dtype=torch.int64)
+        extra["rollout_token_versions"] = versions
     if responses and responses[0].num_tool_calls is not None:  # agent loop responses
         extra["num_tool_calls"] = torch.tensor([r.num_tool_calls for r in responses], dtype=torch.int64)
     rows_prompts = prompts.repeat(n)  # row r's prompt
@@ -65,7 +72,7 @@ def build_rollout_batch(prompts: PromptBatch, responses: Sequence[RolloutRespons
         "rollout_log_probs": rollout_log_probs,
         # Group id of each row: the prompt's GLOBAL dataset index (GRPO-style estimators group by it).
         "uid": rows_prompts.indices,
-        **extra,  # policy_version [B·n]; num_tool_calls [B·n]: tool calls of each multi-turn response
+        **extra,  # policy_version, rollout_token_versions, num_tool_calls (multi-turn): see the module docstring
     }
     if responses and responses[0].routed_experts is not None:
         batch["routed_experts"] = _routes_by_column(responses, prompt_mask, max_response_length)
