@@ -24,7 +24,8 @@ def test_every_case_is_a_valid_config_of_its_placement(tmp_path):
         cfg = load_config(str(DEFAULT_CONFIG), off_policy.case_overrides(opts, case, tmp_path, tmp_path / case),
                           world_size=ranks)
         assert cfg.actor_rollout_ref.hybrid_engine == (trainer_ranks == ranks), case
-        assert cfg.async_training.max_off_policy_steps == {"k1": 1, "k2": 2}.get(case, 0), case
+        assert cfg.async_training.max_off_policy_steps == {"k1": 1, "k2": 2, "k1-partial": 1}.get(case, 0), case
+        assert cfg.async_training.partial_rollout == (case == "k1-partial"), case
         assert cfg.trainer.total_training_steps == opts.warmup + opts.steps + 1
         assert cfg.data.max_response_length == 64 and cfg.actor_rollout_ref.rollout.n == 4
     with pytest.raises(ValueError, match="--cases takes a comma list"):
@@ -45,6 +46,7 @@ def test_summary_is_the_hand_computation_of_the_records():
     assert summary["tokens_per_step"] == pytest.approx(250)
     assert summary["step_s"] == pytest.approx(2.5)
     assert summary["staleness"] == 1.0 and summary["overlap_s"] == pytest.approx(1.25)
+    assert summary["newer_tokens"] == 0.0  # no partial rollouts in these records
     assert summary["response_length"] == {"median": 6.0, "max": 30}
     assert summary["group_mean_length"] == {"median": 11.0, "max": 16}  # groups (4, 8) and (2, 30), twice
     table = off_policy.render({"colocated-2": summary, "k1": {**summary, "tokens_per_s": 2 * summary["tokens_per_s"]}})

@@ -4,6 +4,7 @@ transformers' forward, under the old weights for the tokens before the interrupt
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -79,9 +80,9 @@ def test_an_interruption_with_the_same_weights_changes_nothing(prompts):
 
 
 def test_tokens_after_the_interruption_come_from_the_new_weights(prompts):
-    """Weights A, interrupted after 5 tokens (the 5th decode step's check; the generate_partial start's is the
-    1st), then weights B: tokens before are A's uninterrupted tokens, and every log-prob equals HF's under the
-    weights that generated it (A before, B after)."""
+    """Weights A, interrupted after 6 tokens (the 6th decode step's check), then weights B: tokens before are A's
+    uninterrupted tokens, and every log-prob equals HF's under the weights that generated it (A before, B
+    after)."""
     a, b = model(1), model(2)
     engine = CPURolloutEngine(a.config)
     engine.update_weights(a.state_dict().items())
@@ -92,7 +93,7 @@ def test_tokens_after_the_interruption_come_from_the_new_weights(prompts):
     for g, w in zip(got, only_a):
         cut = g.token_versions.count(0)
         assert g.token_versions == [0] * cut + [1] * (len(g.token_ids) - cut)
-        assert cut == min(5, len(w.token_ids)) and g.token_ids[:cut] == w.token_ids[:cut]
+        assert cut == min(6, len(w.token_ids)) and g.token_ids[:cut] == w.token_ids[:cut]
         changed += g.token_ids != w.token_ids
         prompt = prompts[g.prompt_index]
         ids = torch.tensor([prompt + g.token_ids])
@@ -128,7 +129,12 @@ def test_the_engine_inbox_takes_the_newest_weights_ahead_of_their_turn():
     assert inbox.take_newest_weights()["version"] == 2 and not inbox.weights_pending()
     inbox.put({"op": "stop"})
     assert [inbox.get()["op"], inbox.get()["op"]] == ["generate", "stop"]
-    with pytest.raises(RuntimeError, match="none is queued"):
+    # a rank whose driver saw a version first waits for it; a stop instead says so
+    inbox.put({"op": "generate", "id": "c"})
+    threading.Timer(0.2, inbox.put, args=({"op": "weights", "version": 3},)).start()
+    assert inbox.take_newest_weights()["version"] == 3 and inbox.get()["id"] == "c"
+    inbox.put({"op": "stop"})
+    with pytest.raises(RuntimeError, match="stopped .* before the weight update"):
         inbox.take_newest_weights()
 
 

@@ -74,6 +74,17 @@ def test_against_real_sglang_engine_on_cpu(tiers):
     assert fail["children_left"] == [], fail
 
 
+def test_partial_rollouts_abort_and_go_on_on_the_new_weights(tiers):
+    """A weight update a third into a greedy 96-token generation aborts it (SGLang's abort_request on its event
+    loop) and each response goes on from its tokens on the pushed weights: the same weights give the uninterrupted
+    tokens, other weights HF's log-probs under the version that generated each token."""
+    partial = tiers["qwen2"]["partial"]
+    assert partial["same_weights_tokens_equal"] and partial["same_weights_interrupted"] > 0, partial
+    assert partial["same_weights_log_prob_gap"] < 1e-4, partial
+    assert partial["new_weights_log_prob_error"] < 5e-5, partial  # 96 tokens deep (1e-5 at 8 tokens above)
+    assert partial["new_weights_lengths"] == [96] * 4 and all(0 < cut < 96 for cut in partial["new_weights_cuts"])
+
+
 def test_an_idle_engine_leaves_the_cpu_to_the_trainer(tiers):
     """sleep_on_idle (mppo's default): between rollouts SGLang's scheduler waits in a poll instead of spinning a core
     (measured without it: ~0.65 of a core per engine during the trainer's phases)."""

@@ -78,8 +78,8 @@ def test_bad_placements_stop_in_one_line(assets, tmp_path):
             SEPARATE + ["actor_rollout_ref.rollout.multi_turn.enable=true"], 2),
         "async_training.partial_rollout=true needs async_training.max_off_policy_steps >= 1": (
             SEPARATE + ["async_training.partial_rollout=true"], 2),
-        "partial_rollout=true with actor_rollout_ref.rollout.name = 'sglang' is not built": (
-            SEPARATE + PARTIAL + ["actor_rollout_ref.rollout.name=sglang"], 2),
+        "partial_rollout=true with actor_rollout_ref.actor.router_replay.mode=R3 is not built": (
+            SEPARATE + PARTIAL + ["actor_rollout_ref.actor.router_replay.mode=R3"], 2),
     }
     for expected, (extra, world) in cases.items():
         with pytest.raises(ConfigError) as err:

@@ -1,8 +1,9 @@
-"""`mppo bench off-policy`: step throughput of co-located, separate k=0, k=1 and k=2 GRPO on long-tail lengths.
+"""`mppo bench off-policy`: step throughput of co-located, separate k=0, k=1, k=2 and k=1 partial-rollout GRPO on
+long-tail lengths.
 
-    mppo bench off-policy [key=value ...] [--warmup 1 --steps 4] [--cases colocated-1,colocated-2,k0,k1,k2]
+    mppo bench off-policy [key=value ...] [--warmup 1 --steps 4] [--cases colocated-1,colocated-2,k0,k1,k2,k1-partial]
 
-Five launches of the real trainer (`fit`, as `mppo train` runs it) under torchrun, one thread per rank, on bench
+Six launches of the real trainer (`fit`, as `mppo train` runs it) under torchrun, one thread per rank, on bench
 assets made locally (mppo.bench.assets: countdown prompts, a random Qwen2 whose per-token stop probability makes
 response lengths geometric, capped at data.max_response_length: a long tail whose longest response is ~4x the median
 at the defaults, printed per run):
@@ -14,6 +15,8 @@ at the defaults, printed per run):
                   step s+1 while the trainer trains step s
     k2            the same split, two steps ahead (max_off_policy_steps=2): the engine generates steps s+1 and s+2
                   while the trainer trains step s
+    k1-partial    k1 with partial rollouts (async_training.partial_rollout): step s's new weights interrupt the
+                  generation of step s+1, whose tail goes on on them (fresher tokens, a re-prefill's cost)
 
 Which is fair: colocated-2 against the split runs (both use 2 ranks, 2 threads): the split gives the engine and the
 trainer one rank each where co-location gives both phases both ranks, so the split wins only by overlapping them.
@@ -48,6 +51,7 @@ CASES = {  # name -> (ranks, trainer ranks, overrides)
     "k0": (2, 1, SEPARATE),
     "k1": (2, 1, SEPARATE + ["async_training.max_off_policy_steps=1"]),
     "k2": (2, 1, SEPARATE + ["async_training.max_off_policy_steps=2"]),
+    "k1-partial": (2, 1, SEPARATE + ["async_training.max_off_policy_steps=1", "async_training.partial_rollout=true"]),
 }
 
 
@@ -163,6 +167,7 @@ def summarize(result: dict[str, Any], warmup: int) -> dict[str, Any]:
             "tokens_per_step": statistics.mean(tokens),
             "staleness": statistics.mean(rows[s].get("async/staleness/mean", 0.0) for s in steps),
             "overlap_s": statistics.median(rows[s].get("async/gen_overlap_s", 0.0) for s in steps),
+            "newer_tokens": statistics.mean(rows[s].get("async/partial/newer_token_fraction", 0.0) for s in steps),
             "response_length": {"median": statistics.median(lengths), "max": max(lengths)},
             "group_mean_length": {"median": statistics.median(group_mean), "max": max(group_mean)}}
 
@@ -178,7 +183,8 @@ def render(summaries: dict[str, dict[str, Any]]) -> str:
             ("group mean length median / max", lambda s: "{median:.0f} / {max:.0f}".format(
                 **s["group_mean_length"])),
             ("async/staleness/mean", lambda s: f"{s['staleness']:.2f}"),
-            ("async/gen_overlap_s (median)", lambda s: f"{s['overlap_s']:.2f}"))
+            ("async/gen_overlap_s (median)", lambda s: f"{s['overlap_s']:.2f}"),
+            ("tokens on the newest weights", lambda s: f"{s['newer_tokens']:.2f}"))
     lines = [head, "-" * len(head)] + [f"{label:<34}" + "".join(f"{fn(summaries[n]):>14}" for n in names)
                                        for label, fn in rows]
     for base in ("colocated-2", "colocated-1"):

@@ -58,14 +58,10 @@ def check_async(cfg: MppoConfig, world_size: int | None) -> tuple[int, str] | No
 
 
 def _check_partial_rollout(cfg: MppoConfig, k: int) -> None:
-    key, r = "async_training.partial_rollout", cfg.actor_rollout_ref.rollout
+    key = "async_training.partial_rollout"
     if k < 1:
         raise ConfigError(f"{key}=true needs {K} >= 1 (a weight update interrupts a generation running while the "
                           f"trainer updates; at {K} = {k} none does); set {K}=1 with {HYBRID}=false, or {key}=false")
-    if r.name != "cpu":
-        raise ConfigError(f"{key}=true with actor_rollout_ref.rollout.name = {r.name!r} is not built: SGLang's "
-                          f"offline engine serves a generate call in one blocking call, which mppo cannot interrupt "
-                          f"yet; set {key}=false or actor_rollout_ref.rollout.name=cpu")
     if cfg.actor_rollout_ref.actor.router_replay.mode == "R3":
         raise ConfigError(f"{key}=true with actor_rollout_ref.actor.router_replay.mode=R3 is not built (a resumed "
                           f"sample's routes would span two versions); set {key}=false or router_replay.mode=disabled")

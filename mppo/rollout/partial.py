@@ -13,8 +13,9 @@ of every token (`token_versions`); its `policy_version` is the oldest one, which
 
 Where an interruption falls depends on when the trainer's update arrives, so two runs with partial rollouts are
 not bitwise equal (a checkpoint still keeps the generation in flight with its token versions: nothing is lost or
-regenerated on resume). The CPU engine interrupts; SGLang's offline engine serves a generate call in one blocking
-call, so partial rollouts on it are refused at start-up.
+regenerated on resume). The CPU engine checks after every decode step; SGLang's driver runs a watcher thread that
+aborts every request on SGLang's event loop (its tokenizer manager's abort_request), and they come back with the
+tokens they have.
 """
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ def generate_partial(engine: RolloutEngine, prompts: list[list[int]], sampling: 
                      prompt_offsets: list[int], switch: WeightSwitch) -> list[RolloutResponse]:
     """engine.generate(prompts, ...), interrupted by every new weight version that arrives meanwhile; each
     response carries the version of each of its tokens. `switch.version` is the version loaded at the end."""
-    if switch.pending():  # a version that came before this request started: take it first
-        switch.version = switch.load_newest()
+    # a version that came before this request started interrupts it at the first check: the engine (the driver of
+    # an SGLang group) decides, so every rank of the group loads it at the same point
     responses = engine.generate(prompts, sampling, step=step, prompt_offsets=prompt_offsets,
                                 interrupt=switch.pending)
     versions = [[switch.version] * len(r.token_ids) for r in responses]

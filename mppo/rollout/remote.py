@@ -350,15 +350,21 @@ class _Inbox:
 
     def take_newest_weights(self) -> dict[str, Any]:
         """The newest weight version received; older ones not loaded yet are dropped (superseded), the other
-        messages keep their order."""
+        messages keep their order. Waits for one when none is here yet (an SGLang group's other ranks: its
+        driver saw the version arrive first)."""
         while True:
             try:
                 self._backlog.append(self._queue.get_nowait())
+                continue
             except queue.Empty:
+                pass
+            if any(_is_weights(m) for m in self._backlog):
                 break
+            if any(isinstance(m, BaseException) or m["op"] == "stop" for m in self._backlog):
+                raise RuntimeError("partial rollout: the engine side stopped (or its receiver failed) before the "
+                                   "weight update this engine group's driver saw arrived")
+            self._backlog.append(self._queue.get())  # the receiver's next message (it has its own timeout)
         versions = [m for m in self._backlog if _is_weights(m)]
-        if not versions:
-            raise RuntimeError("partial rollout: a weight update was announced but none is queued")
         for message in versions:
             self._backlog.remove(message)
             self._took(message)

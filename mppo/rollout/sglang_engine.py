@@ -53,6 +53,7 @@ from mppo.rollout.sglang_protocol import (
     RouteLayout,
     SGLangAPI,
     SGLangError,
+    build_continuation_request,
     build_generate_request,
     bucket_payload,
     check_success,
@@ -182,28 +183,48 @@ class SGLangRolloutEngine(RolloutEngine):
         self._on_driver(lambda: stop_engine(self._started), share_result=False)
 
     # ---- generation -------------------------------------------------------------------------------------------
+    @property
+    def supports_partial_rollout(self) -> bool:  # type: ignore[override]
+        return self._routes is None  # an aborted request's routes would need a merge across versions
+
     def _generate(
         self, prompt_token_ids: list[list[int]], sampling: SamplingParams, step: int, prompt_indices: list[int]
     ) -> list[RolloutResponse]:
         """The driver's prompts are generated; every rank of the group gets the responses."""
+        requests = build_generate_request(prompt_token_ids, sampling, step, prompt_indices)
+        return self._on_driver(lambda: self._run(*requests, prompt_lengths=[len(p) for p in requests[0]]))
 
+    def _generate_interruptible(self, prompt_token_ids: list[list[int]], sampling: SamplingParams, step: int,
+                                prompt_indices: list[int], interrupt: Callable[[], bool]) -> list[RolloutResponse]:
+        requests = build_generate_request(prompt_token_ids, sampling, step, prompt_indices)
+        return self._on_driver(lambda: self._run(*requests, interrupt=interrupt))
+
+    def _continue(self, prompt_token_ids: list[list[int]], partial: list[RolloutResponse], sampling: SamplingParams,
+                  step: int, interrupt: Callable[[], bool] | None) -> list[RolloutResponse]:
+        requests = build_continuation_request(prompt_token_ids, partial, sampling, step)
+        return self._on_driver(lambda: self._run(*requests, interrupt=interrupt))
+
+    def _run(self, input_ids: list[list[int]], params: list[dict[str, Any]], keys: list[tuple[int, int]], *,
+             prompt_lengths: list[int] | None = None,
+             interrupt: Callable[[], bool] | None = None) -> list[RolloutResponse]:
+        """One generate call on the driver. `interrupt`: a watcher thread asks it every few milliseconds; once it
+        says so, every request is aborted on SGLang's event loop (call_soon_threadsafe: the tokenizer manager is
+        not thread-safe) and comes back with the tokens it has, finish reason "abort"."""
         if self._lora is not None and self._adapter_name is None:
             raise RolloutStateError("generate() on an engine for adapter-only sync that holds no adapter (none loaded "
                                     "yet, or the last load failed): push the adapters with update_adapter() first")
-
-        def run() -> list[RolloutResponse]:
-            input_ids, params, keys = build_generate_request(prompt_token_ids, sampling, step, prompt_indices)
-            adapter = {} if self._adapter_name is None else {"lora_path": [self._adapter_name] * len(input_ids)}
-            if self._routes is None:
-                outputs = self._engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True,
-                                                **adapter)
-                return parse_generate_output(outputs, keys)
-            outputs = self._engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True,
-                                            return_routed_experts=True, **adapter)
-            return parse_generate_output(outputs, keys, routes=self._routes,
-                                         prompt_lengths=[len(ids) for ids in input_ids])
-
-        return self._on_driver(run)
+        extra: dict[str, Any] = {} if self._adapter_name is None else {"lora_path": [self._adapter_name] * len(keys)}
+        if self._routes is not None:
+            extra["return_routed_experts"] = True
+        watcher = None if interrupt is None else _AbortWatcher(self._engine, interrupt)
+        try:
+            outputs = self._engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True, **extra)
+        finally:
+            if watcher is not None:
+                watcher.stop()
+        if self._routes is None:
+            return parse_generate_output(outputs, keys, allow_abort=interrupt is not None)
+        return parse_generate_output(outputs, keys, routes=self._routes, prompt_lengths=prompt_lengths)
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def _load_weights(self, buckets: Iterator[list[NamedTensor]]) -> None:
@@ -331,3 +352,28 @@ class SGLangRolloutEngine(RolloutEngine):
 def _succeeded(result: Any) -> bool:
     """An SGLang control call's success flag ((success, message) tuple or .success)."""
     return bool(result[0] if isinstance(result, tuple) else getattr(result, "success", False))
+
+
+class _AbortWatcher:
+    """Partial rollouts on the driver: a thread that asks `interrupt` every POLL_S while a generate call runs and,
+    the first time it says so, aborts every request of the engine (they return with what they generated)."""
+
+    POLL_S = 0.005
+
+    def __init__(self, engine: Any, interrupt: Callable[[], bool]) -> None:
+        import threading
+
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(engine, interrupt), name="mppo-sglang-abort",
+                                        daemon=True)
+        self._thread.start()
+
+    def _watch(self, engine: Any, interrupt: Callable[[], bool]) -> None:
+        while not self._done.wait(self.POLL_S):
+            if interrupt():
+                engine.loop.call_soon_threadsafe(engine.tokenizer_manager.abort_request, "", True)
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()

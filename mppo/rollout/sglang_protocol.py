@@ -26,7 +26,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from mppo.rollout.base import NamedTensor, RolloutResponse, SamplingParams
-from mppo.rollout.seeding import sample_seed
+from mppo.rollout.seeding import sample_seed, stable_hash63
 
 # 0.5.23 introduced begin/end_weight_update sessions (updates outside one fail) and multi-dtype flattened buckets.
 SUPPORTED_SGLANG = ">=0.5.23,<0.6"
@@ -218,23 +218,44 @@ def build_generate_request(
     return input_ids, params, keys
 
 
+def build_continuation_request(prompt_token_ids: list[list[int]], partial: list[RolloutResponse],
+                               sampling: SamplingParams, step: int
+                               ) -> tuple[list[list[int]], list[dict[str, Any]], list[tuple[int, int]]]:
+    """Partial rollouts: one request per interrupted response, its prompt + tokens as the input (a re-prefill on
+    the new weights), for the tokens it may still generate, seeded from its own seed and how far it got."""
+    input_ids, params, keys = [], [], []
+    for prompt, response in zip(prompt_token_ids, partial, strict=True):
+        prefix = list(prompt) + list(response.token_ids)
+        _, (one,), _ = build_generate_request([prefix], dataclasses.replace(sampling, n=1), step,
+                                              [response.prompt_index])
+        one["max_new_tokens"] = sampling.max_new_tokens - len(response.token_ids)
+        one["sampling_seed"] = stable_hash63(
+            sample_seed(sampling.seed, step, response.prompt_index, response.sample_index), len(response.token_ids))
+        input_ids.append(prefix)
+        params.append(one)
+        keys.append((response.prompt_index, response.sample_index))
+    return input_ids, params, keys
+
+
 def parse_generate_output(outputs: list[dict[str, Any]], keys: list[tuple[int, int]], *,
-                          routes: RouteLayout | None = None,
-                          prompt_lengths: list[int] | None = None) -> list[RolloutResponse]:
+                          routes: RouteLayout | None = None, prompt_lengths: list[int] | None = None,
+                          allow_abort: bool = False) -> list[RolloutResponse]:
     """Map SGLang's per-request outputs (same order as the requests) to RolloutResponses.
 
     `routes`: the requests asked for routed experts; each response gets the MoE layers' routes of every token but
-    the last (`prompt_lengths[i]` prompt tokens + its response), the CPU engine's alignment."""
+    the last (`prompt_lengths[i]` prompt tokens + its response), the CPU engine's alignment. `allow_abort`
+    (partial rollouts): a request aborted by mppo comes back with the tokens it has, finish reason "abort"."""
     if len(outputs) != len(keys):
         raise SGLangError(f"SGLang returned {len(outputs)} outputs for {len(keys)} requests")
     responses = []
     for i, (out, (prompt_index, sample_index)) in enumerate(zip(outputs, keys)):
         meta = out["meta_info"]
         finish = meta["finish_reason"]
-        if finish is None or finish.get("type") not in ("stop", "length"):
+        accepted = ("stop", "length", "abort") if allow_abort else ("stop", "length")
+        if finish is None or finish.get("type") not in accepted:
             raise SGLangError(f"SGLang did not finish prompt {prompt_index} sample {sample_index}: {finish}")
         token_ids = [int(t) for t in out["output_ids"]]
-        logprob_entries = meta["output_token_logprobs"]
+        logprob_entries = meta["output_token_logprobs"] or []  # None: aborted before its first token
         logprob_ids = [int(entry[1]) for entry in logprob_entries]
         if logprob_ids != token_ids:
             raise SGLangError(

@@ -75,9 +75,68 @@ def qwen2_tier(out_dir: Path) -> dict:
     result["changed_weight_log_prob_shift"] = max(
         abs(a - b) for before, after in zip(got, changed) for a, b in zip(before.log_probs[:1], after.log_probs[:1]))
     result["changed_weight_log_prob_error"] = recompute_error(source, changed, 1.0)
+    result["partial"] = partial_rollout_checks(engine, push, source, prompts)
     result["idle_cpu_fraction"] = idle_cpu_fraction(engine_pids)
     result["shutdown"] = shutdown_spares_bystanders(engine, engine_pids)
     return result
+
+
+def partial_rollout_checks(engine, push, source, prompts) -> dict:
+    """Partial rollouts (mppo.rollout.partial) on SGLang: a weight update a third of the way into a greedy
+    generation aborts it and it goes on on the pushed weights. The same weights again: the uninterrupted tokens;
+    other weights: every log-prob is HF's under the weights that generated its token."""
+    import copy
+    import time
+
+    from hf_reference import hf_token_log_probs
+
+    from mppo.rollout import SamplingParams
+    from mppo.rollout.partial import WeightSwitch, generate_partial
+
+    long = SamplingParams(do_sample=False, max_new_tokens=96, ignore_eos=True)
+    began = time.monotonic()
+    whole = engine.generate(prompts, long, step=0)
+    seconds = time.monotonic() - began
+    other = copy.deepcopy(source)
+    with torch.no_grad():
+        other.model.norm.weight.mul_(0.5)
+
+    def run(new_weights):
+        start, fired = time.monotonic(), []
+
+        def pending() -> bool:
+            return not fired and time.monotonic() - start > seconds / 3
+
+        def load_newest() -> int:
+            fired.append(time.monotonic() - start)
+            push(new_weights)
+            return 1
+
+        return generate_partial(engine, prompts, long, step=0, prompt_offsets=list(range(len(prompts))),
+                                switch=WeightSwitch(pending=pending, load_newest=load_newest, version=0))
+
+    out = {"seconds_uninterrupted": seconds}
+    same = run(source)
+    out["same_weights_tokens_equal"] = [r.token_ids for r in same] == [r.token_ids for r in whole]
+    out["same_weights_interrupted"] = sum(len(set(r.token_versions)) > 1 for r in same)
+    out["same_weights_log_prob_gap"] = max(abs(a - b) for g, w in zip(same, whole)
+                                           for a, b in zip(g.log_probs, w.log_probs))
+    push(source)
+    got = run(other)
+    models = {0: source, 1: other}
+    worst, cuts = 0.0, []
+    for r in got:
+        for version in (0, 1):
+            reference = hf_token_log_probs(models[version], prompts[r.prompt_index], r.token_ids, 1.0)
+            picked = torch.tensor(r.token_versions) == version
+            if bool(picked.any()):
+                worst = max(worst, (reference[picked] - torch.tensor(r.log_probs)[picked]).abs().max().item())
+        cuts.append(r.token_versions.count(0))
+    out["new_weights_log_prob_error"] = worst
+    out["new_weights_cuts"] = cuts  # tokens each response had when the update arrived
+    out["new_weights_lengths"] = [len(r.token_ids) for r in got]
+    push(source)
+    return out
 
 
 def idle_cpu_fraction(engine_pids: set[int], seconds: float = 3.0) -> float:
