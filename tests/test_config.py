@@ -779,5 +779,18 @@ def test_lora_target_names_map_to_hf_projections():
     cfg = load_config(None, ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.target_modules=all-linear"])
     assert cfg.actor_rollout_ref.model.lora.target_modules == ["all-linear"]
     check_lora_model(cfg, "qwen2", is_moe=False)
-    with pytest.raises(ConfigError, match="LoRA on MoE experts is not built"):
-        check_lora_model(cfg, "qwen3_moe", is_moe=True)
+    check_lora_model(cfg, "qwen3_moe", is_moe=True)  # experts adapted at TP 1 (whole experts), merged
+    for extra, message in (
+            (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"], "built for whole experts, and "
+             "expert-TP is 2: set actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1"),
+            (["actor_rollout_ref.model.lora.merge=false", "actor_rollout_ref.rollout.name=sglang"],
+             "adapter-only sync of MoE experts is not built")):
+        other = load_config(None, ["actor_rollout_ref.model.lora.rank=8", *extra])
+        with pytest.raises(ConfigError, match=message) as err:
+            check_lora_model(other, "qwen3_moe", is_moe=True)
+        assert "\n" not in str(err.value)
+    # attention-only adapters need no whole experts
+    attention = load_config(None, ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora."
+                                   "target_modules=[linear_qkv]", "actor_rollout_ref.actor.megatron."
+                                   "tensor_model_parallel_size=2"])
+    check_lora_model(attention, "qwen3_moe", is_moe=True)

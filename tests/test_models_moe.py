@@ -2,7 +2,8 @@
 TP2 x EP2, EP2 x PP2, EP4 and TP2 x EP2 with expert-TP 1 (whole experts split over the TP ranks; 4 CPU ranks):
 logits, log-probs, entropy, gradients through the router and the all-to-all dispatch; HF -> megatron -> HF bitwise
 with the experts on several EP ranks; `mppo convert --ep`; an EP2 x PP2 dist checkpoint loaded at EP1 and at
-TP2 x EP2 (expert-TP 2 and 1); layout errors; the CPU patches MoE layers need.
+TP2 x EP2 (expert-TP 2 and 1); LoRA on the experts (vs HF with the adapters merged); layout errors; the CPU
+patches MoE layers need.
 
 One torchrun launch (tests/dist/models_moe.py) runs every case; each test below asserts on one family of results.
 """
@@ -116,6 +117,25 @@ def test_layout_errors_name_ep(ranks):
         assert "needs a MoE model" in err and "use ep=1" in err
     for err in on_every_rank(ranks, "experts6_ep4_error"):
         assert "ep=4 does not divide the model's 6 experts" in err
+
+
+@pytest.mark.parametrize("layout", ["tp1pp1ep1", "tp1pp1ep2", "tp2pp1ep2etp1"])
+def test_lora_on_the_experts_matches_hf_with_the_adapters_merged(ranks, layout):
+    """LoRA on attention, the dense MLP and every expert (tests/dist/lora_moe.py): log-probs vs HF with the
+    adapters merged by hand, B = 0 the base bitwise, the PEFT tensors gathered from every EP rank, the merged HF
+    export, the adapters' gradients vs HF autograd through the merge (TP1 layouts), an EP2 dist checkpoint read
+    at TP2 x EP2 with expert-TP 1."""
+    for r in ranks:
+        got = {k.split("/lora_moe/")[1]: v for k, v in r.items() if k.startswith(f"{layout}/lora_moe/")}
+        ep = 2 if "ep2" in layout else 1
+        assert len(got["expert_adapters"]) == 4 // ep and got["expert_adapters_not_allreduced"], got
+        assert got["b0_equals_base"] and got["log_probs_vs_base"] > 0.1, got
+        assert got["log_probs_vs_hf_merged"] <= 2e-5, got
+        assert got["gathered_equal"] and got["export_names_equal"] and got["export_vs_hand_merge"] <= 1e-6, got
+        if layout.startswith("tp1"):
+            assert got["grad_rel"] <= 1e-4, got
+        if layout == "tp2pp1ep2etp1":
+            assert got["checkpoint_from_ep2_equal"], got
 
 
 def test_every_moe_cpu_compat_patch_is_still_needed(ranks):

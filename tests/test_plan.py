@@ -365,6 +365,30 @@ def test_lora_actor_state_is_frozen_base_plus_fp32_adapters_by_hand(capsys):
     assert "fp32 adapter grads only" in out and f"{adapters / 1e6:.2f}M adapter params" in out
 
 
+def test_lora_on_moe_experts_by_hand():
+    """Qwen3-30B-A3B (48 MoE layers, 128 experts of width 768) at TP2 x EP8 on 16 GPUs (DP 8, expert-DP 1), LoRA
+    rank 16 on every linear with whole experts: attention's adapters split over TP as dense ones, each of the 16
+    local experts' gate/up/down adapters whole; the experts' Adam state over expert-DP (1), the rest over DP 8."""
+    from mppo.config import load_config
+    from mppo.models.hf_config import read_hf_config
+    from mppo.plan import known_config, plan
+
+    moe = read_hf_config(known_config("Qwen3-30B-A3B")[1])
+    lora = plan(load_config(str(REPO / "configs/qwen3_30b_a3b_grpo.yaml"), [
+        "actor_rollout_ref.model.lora.rank=16", "actor_rollout_ref.model.lora.target_modules=[all-linear]",
+        "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1"]), moe)
+    r, h, q, kv, e, layers, tp, local = 16, 2048, 32 * 128, 4 * 128, 768, 48, 2, 128 // 8
+    attention = (r * h + q // tp * r) + 2 * (r * h + kv // tp * r) + (r * q // tp + h * r)
+    experts = local * 3 * r * (h + e)
+    actor = lora.roles[0]
+    stages = actor.layout.pp
+    assert actor.state.adapter_params == layers // stages * (attention + experts)
+    per_stage = layers // stages
+    adam, dp, expert_dp = 2 * 4, 8, 1  # fp32 m and v per adapter parameter
+    assert actor.state.optimizer == (math.ceil(per_stage * attention * adam / dp)
+                                     + math.ceil(per_stage * experts * adam / expert_dp))
+
+
 # ------------------------------------------------------------------------------------------------- recipes
 def _recipe_plans(tmp_path: Path, monkeypatch) -> dict:
     """Every config in configs/ planned (the GPU recipes on their built-in model configs)."""

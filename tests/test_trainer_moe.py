@@ -25,6 +25,8 @@ EP2 = ["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"]
 R3 = ["actor_rollout_ref.actor.router_replay.mode=R3"]
 AUX = ["actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.01",
        "actor_rollout_ref.actor.megatron.override_transformer_config.moe_z_loss_coeff=0.001"]
+LORA = ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=16",
+        "actor_rollout_ref.model.lora.target_modules=[all-linear]"]  # attention, the dense MLP and every expert
 PERTURBED = "step_engine_routers_perturbed"  # tests/dist/trainer_moe.py: the engine's routers slightly off
 
 
@@ -43,6 +45,8 @@ def _cases(root: Path) -> dict:
         "grpo_ep2": ["step", grpo + EP2, "grpo_ep1"],
         "ppo_ep1": ["step", ppo, None],
         "ppo_ep2": ["step", ppo + EP2, "ppo_ep1"],
+        "grpo_lora_ep1": ["step", grpo + LORA, None],
+        "grpo_lora_ep2": ["step", grpo + LORA + EP2, "grpo_lora_ep1"],
         # routing replay: GRPO takes the old log-probs from the update's forward, PPO (2 mini-batches) from an
         # old-log-prob pass; the engine's routers are perturbed in all four
         "grpo_mismatch": [PERTURBED, grpo, None],
@@ -118,6 +122,22 @@ def test_first_step_at_ep2_equals_ep1(run, algorithm):
         for key, value in ep1.items():
             assert ep2[key] == pytest.approx(value, rel=1e-4, abs=1e-4), key
         assert r[f"{algorithm}_ep2"]["weights_diff"] <= 1e-5  # after one Adam step at lr 1e-3
+
+
+def test_lora_on_the_experts_trains_the_same_at_ep2(run):
+    """GRPO with LoRA on every linear, the experts' included (their adapters reduced over the expert-data-parallel
+    group, as megatron does the experts' weights): EP2 equals EP1 (metrics 1e-4; the merged HF weights after the
+    update 1e-5, so the adapters moved alike), the engine got the merged weights (its probabilities equal the
+    actor's < 1e-3)."""
+    _, ranks = run
+    for r in ranks:
+        ep1, ep2 = _computed(r["grpo_lora_ep1"]["metrics"]), _computed(r["grpo_lora_ep2"]["metrics"])
+        assert set(ep1) == set(ep2)
+        assert ep1["actor/grad_norm"] > 0.01  # B = 0 at the start: only B has a gradient
+        for key, value in ep1.items():
+            assert ep2[key] == pytest.approx(value, rel=1e-4, abs=1e-4), key
+        assert r["grpo_lora_ep2"]["weights_diff"] <= 1e-5
+        assert ep1["training/rollout_probs_diff_max"] < 1e-3
 
 
 def test_resume_at_ep2_continues_bit_identically(run):

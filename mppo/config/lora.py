@@ -81,9 +81,27 @@ def check_lora(cfg: MppoConfig) -> None:
                           "across the separate placement is not built; set merge=true")
 
 
+EXPERT_PROJECTIONS = MEGATRON_LINEARS["linear_fc1"] + MEGATRON_LINEARS["linear_fc2"]
+
+
 def check_lora_model(cfg: MppoConfig, model_type: str, is_moe: bool) -> None:
     """LoRA on a model mppo cannot adapt stops at start-up in one line (mppo.preflight.check_models calls this with
-    the actor's config.json facts). The adapters cover dense layers only: MoE experts are not built."""
-    if lora_enabled(cfg) and is_moe:
-        raise ConfigError(f"{LORA}.rank = {cfg.actor_rollout_ref.model.lora.rank} with a {model_type} (MoE) model: "
-                          "LoRA on MoE experts is not built; use a dense model or set lora.rank=0")
+    the actor's config.json facts). On a MoE model the MLP projections adapt every expert (whole experts:
+    expert-TP 1), and the adapters go to the engine merged."""
+    lora = cfg.actor_rollout_ref.model.lora
+    if not (lora_enabled(cfg) and is_moe):
+        return
+    adapted = [p for p in lora_projections(lora.target_modules, lora.exclude_modules) if p in EXPERT_PROJECTIONS]
+    if not adapted:
+        return
+    megatron = cfg.actor_rollout_ref.actor.megatron
+    etp = megatron.expert_tensor_parallel_size or megatron.tensor_model_parallel_size
+    if etp > 1:
+        raise ConfigError(f"{LORA} on the experts of a {model_type} (MoE) model ({', '.join(adapted)}) is built "
+                          f"for whole experts, and expert-TP is {etp}: set actor_rollout_ref.actor.megatron."
+                          "expert_tensor_parallel_size=1, or leave gate_proj, up_proj, down_proj out of "
+                          "lora.target_modules")
+    if not lora.merge:
+        raise ConfigError(f"{LORA}.merge = false with adapters on the experts of a {model_type} (MoE) model: "
+                          "adapter-only sync of MoE experts is not built (SGLang's LoRA support adapts dense "
+                          "linears); set merge=true")

@@ -35,7 +35,8 @@ from mppo.models.builders import build_gpt_model
 from mppo.models.checkpoint import MODEL_SUBDIR, checkpoint_hf_dir, load_model_checkpoint, save_model_checkpoint
 from mppo.models.hf_config import HFModelArgs, hf_dtype, read_hf_config
 from mppo.models.lora import apply_lora
-from mppo.models.lora_io import gather_peft_tensors, lora_mismatch, read_lora_meta, save_peft_adapter, spec_of
+from mppo.models.lora_io import (gather_peft_tensors, has_expert_adapters, lora_mismatch, read_lora_meta,
+                                 save_peft_adapter, spec_of)
 from mppo.models.pickle_vetting import vet_checkpoint_dir
 from mppo.models.remote_code import check_remote_code
 from mppo.models.spec import TRANSFORMER_IMPLS
@@ -143,6 +144,10 @@ def mcore_to_hf(ckpt: Path, out: Path, *, tp: int, pp: int, ep: int = 1, dtype: 
         load_hf_weights(chunks, base_dir, args)
         apply_lora(chunks, args, spec_of(lora), base_dir=str(base_dir))
     load_model_checkpoint(chunks, ckpt)
+    if lora is not None and not merge and has_expert_adapters(chunks):
+        raise UserError(f"{ckpt}'s adapters cover MoE experts, which PEFT cannot load on transformers' Qwen3-MoE "
+                        "(its experts are fused 3D parameters, not per-expert linears); convert with --merge for "
+                        "the merged HF model")
     if lora is not None and not merge:
         save_peft_adapter(gather_peft_tensors(chunks), out, spec_of(lora), base_model=str(base_dir),
                           overwrite=overwrite)

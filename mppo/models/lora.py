@@ -70,9 +70,10 @@ class LoRASpec:
         return self.alpha / self.rank
 
 
-def projection_shapes(args: HFModelArgs) -> dict[str, tuple[int, int]]:
-    """Full (out, in) of each HF projection of one decoder layer."""
-    h, d, ffn = args.hidden_size, args.head_dim, args.ffn_hidden_size
+def projection_shapes(args: HFModelArgs, expert: bool = False) -> dict[str, tuple[int, int]]:
+    """Full (out, in) of each HF projection of one decoder layer (`expert`: of one MoE expert's MLP)."""
+    h, d = args.hidden_size, args.head_dim
+    ffn = args.moe_ffn_hidden_size if expert else args.ffn_hidden_size
     q, kv = args.num_attention_heads * d, args.num_query_groups * d
     return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
             "gate_proj": (ffn, h), "up_proj": (ffn, h), "down_proj": (h, ffn)}
@@ -92,10 +93,14 @@ class LinearAdapters(nn.Module):
 
     def __init__(self, *, linear_name: str, kind: str, hf_prefix: str, projections: Sequence[str],
                  args: HFModelArgs, spec: LoRASpec, tp_rank: int, tp: int, sequence_parallel: bool,
-                 device: torch.device):
+                 device: torch.device, expert: bool = False, allreduce: bool = True):
+        """`expert`: a MoE expert's linear (expert-TP 1: whole, on the tokens routed to it, so no TP
+        communication); `allreduce`: its base weight's megatron flag, False for experts under EP (DDP then
+        reduces their gradients over the expert-data-parallel group only)."""
         from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
         super().__init__()
+        self.expert = expert
         self.kind, self.linear_name, self.hf_prefix = kind, linear_name, hf_prefix
         self.fused = MEGATRON_LINEARS[linear_name]  # every projection of the linear, in its fused order
         self.projections = tuple(p for p in self.fused if p in projections)
@@ -107,7 +112,7 @@ class LinearAdapters(nn.Module):
             args.head_dim
         self.dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
         self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
-        shapes = projection_shapes(args)
+        shapes = projection_shapes(args, expert=expert)
         self.out_local = {p: shapes[p][0] // tp if kind == "column" else shapes[p][0] for p in self.fused}
         for proj in self.projections:
             out, inp = shapes[proj]
@@ -119,6 +124,8 @@ class LinearAdapters(nn.Module):
                 a, b = a_full[:, tp_rank * cols:(tp_rank + 1) * cols].clone(), torch.zeros(out, spec.rank)
             self.lora_A[proj] = nn.Parameter(a.to(device))
             self.lora_B[proj] = nn.Parameter(b.to(device))
+            if not allreduce:
+                self.lora_A[proj].allreduce = self.lora_B[proj].allreduce = False
             sharded, replicated = (self.lora_B[proj], self.lora_A[proj]) if kind == "column" else \
                 (self.lora_A[proj], self.lora_B[proj])
             set_tensor_model_parallel_attributes(sharded, True, 0 if kind == "column" else 1, 1)
@@ -162,7 +169,9 @@ class LinearAdapters(nn.Module):
 
         h = torch.cat([nn.functional.linear(xp, self.lora_A[p]) for p, xp in zip(self.projections,
                                                                                   self.dropped_inputs(x))], dim=-1)
-        if self.kind == "column":
+        if self.expert:
+            pass  # a whole expert on its own tokens: nothing to gather or reduce
+        elif self.kind == "column":
             h = tpl.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True) \
                 if self.sequence_parallel else tpl.copy_to_tensor_model_parallel_region(h)
         else:
@@ -237,8 +246,6 @@ def apply_lora(model_chunks: Sequence[nn.Module], args: HFModelArgs, spec: LoRAS
     `base_dir`: the base model's HF directory, recorded (`lora_info`) for checkpoints."""
     from megatron.core import parallel_state as ps
 
-    if args.is_moe:
-        raise ValueError(f"LoRA on MoE models ({args.model_type}) is not built")
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     for chunk in model_chunks:
         model = unwrap_model(chunk)
@@ -250,14 +257,42 @@ def apply_lora(model_chunks: Sequence[nn.Module], args: HFModelArgs, spec: LoRAS
                 wanted = [p for p in MEGATRON_LINEARS[linear_name] if p in spec.projections]
                 if not wanted:
                     continue
-                linear = layer.get_submodule(path)
-                _check_linear(linear, path)
-                linear.lora = LinearAdapters(
-                    linear_name=linear_name, kind=kind, hf_prefix=f"model.layers.{layer.layer_number - 1}.{hf_module}",
-                    projections=wanted, args=args, spec=spec, tp_rank=tp_rank, tp=tp,
-                    sequence_parallel=bool(model.config.sequence_parallel), device=device)
-                linear.register_forward_hook(_lora_hook)
-                linear.sharded_state_dict = _sharded_state_dict.__get__(linear)
+                hf_layer = f"model.layers.{layer.layer_number - 1}"
+                if hf_module == "mlp" and hasattr(layer.mlp, "experts"):  # a MoE layer: every local expert's
+                    for hf_expert, linear in _expert_linears(layer.mlp, linear_name):
+                        _attach(linear, f"{path} of {hf_expert}", LinearAdapters(
+                            linear_name=linear_name, kind=kind, hf_prefix=f"{hf_layer}.{hf_expert}",
+                            projections=wanted, args=args, spec=spec, tp_rank=0, tp=1, sequence_parallel=False,
+                            device=device, expert=True, allreduce=getattr(linear.weight, "allreduce", True)))
+                    continue
+                _attach(layer.get_submodule(path), path, LinearAdapters(
+                    linear_name=linear_name, kind=kind, hf_prefix=f"{hf_layer}.{hf_module}", projections=wanted,
+                    args=args, spec=spec, tp_rank=tp_rank, tp=tp,
+                    sequence_parallel=bool(model.config.sequence_parallel), device=device))
+
+
+def _attach(linear: nn.Module, path: str, adapters: LinearAdapters) -> None:
+    _check_linear(linear, path)
+    linear.lora = adapters
+    linear.register_forward_hook(_lora_hook)
+    linear.sharded_state_dict = _sharded_state_dict.__get__(linear)
+
+
+def _expert_linears(moe_layer: nn.Module, linear_name: str) -> Iterator[tuple[str, nn.Module]]:
+    """(HF module of the expert, e.g. `mlp.experts.3`, its megatron linear) for each expert on this rank.
+    Megatron's SequentialMLP holds one MLP per local expert (mppo builds MoE layers so: HF's per-expert
+    weights); its experts are whole on each rank only at expert-TP 1."""
+    from megatron.core import parallel_state as ps
+
+    experts = moe_layer.experts
+    if not hasattr(experts, "local_experts"):
+        raise TypeError(f"LoRA on MoE experts needs megatron's SequentialMLP; this layer has {type(experts).__name__}")
+    if ps.get_expert_tensor_parallel_world_size() > 1:
+        raise ValueError("LoRA on MoE experts is built for whole experts (expert-TP 1): set "
+                         "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1, or leave gate_proj, "
+                         "up_proj and down_proj out of lora.target_modules")
+    for index, expert in zip(moe_layer.local_expert_indices, experts.local_experts):  # global expert indices
+        yield f"mlp.experts.{index}", expert.get_submodule(linear_name)
 
 
 @dataclass(frozen=True)

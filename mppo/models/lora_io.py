@@ -51,7 +51,7 @@ def load_peft_tensors(model_chunks: Sequence[nn.Module], tensors: Mapping[str, t
                         raise KeyError(f"the adapter tensors have no {key}; were they saved for this model and "
                                        "these target modules?")
                     full, param, axis = tensors[key], params[proj], _split_axis(adapters, which)
-                    if axis is not None:
+                    if axis is not None and not adapters.expert:  # experts are whole (expert-TP 1)
                         size = full.shape[axis] // tp
                         full = full.narrow(axis, tp_rank * size, size)
                     if tuple(full.shape) != tuple(param.shape):
@@ -62,26 +62,39 @@ def load_peft_tensors(model_chunks: Sequence[nn.Module], tensors: Mapping[str, t
 
 def gather_peft_tensors(model_chunks: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
     """Every adapter as a full PEFT tensor (CPU, fp32), on every rank (collective over the world: TP gathers, then
-    one all_gather_object of the stages' adapters; DP replicas hold the same ones, DP rank 0's are taken)."""
+    one all_gather_object of the stages' adapters; DP replicas hold the same ones, DP rank 0's are taken; a MoE
+    expert's adapters come from expert-data-parallel rank 0 of the EP rank that holds the expert)."""
     from megatron.core import parallel_state as ps
 
     tp, tp_group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
     mine: dict[str, torch.Tensor] = {}
+    experts: set[str] = set()
     for adapters in iter_adapters(model_chunks):
         for proj in adapters.projections:
             for which, params in (("lora_A", adapters.lora_A), ("lora_B", adapters.lora_B)):
                 shard, axis = params[proj].detach().contiguous(), _split_axis(adapters, which)
-                if axis is not None and tp > 1:
+                if axis is not None and tp > 1 and not adapters.expert:  # experts are whole (expert-TP 1)
                     parts = [torch.empty_like(shard) for _ in range(tp)]
                     dist.all_gather(parts, shard, group=tp_group)
                     shard = torch.cat(parts, dim=axis)
-                mine[peft_key(adapters, proj, which)] = shard.float().cpu()
+                key = peft_key(adapters, proj, which)
+                mine[key] = shard.float().cpu()
+                if adapters.expert:
+                    experts.add(key)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine
     leader = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    expert_leader = ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0
+    ours = {k: v for k, v in mine.items() if (expert_leader if k in experts else leader)}
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine if leader else {})
+    dist.all_gather_object(every, ours)
     return {k: v for part in every for k, v in part.items()}
+
+
+def has_expert_adapters(model_chunks: Sequence[nn.Module]) -> bool:
+    """Whether MoE experts carry adapters: PEFT cannot load those on transformers' Qwen3-MoE, whose experts are
+    fused 3D parameters rather than per-expert linears."""
+    return any(a.expert for a in iter_adapters(model_chunks))
 
 
 def adapter_config(spec: LoRASpec, base_model: str | None) -> dict:

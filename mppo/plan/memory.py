@@ -185,22 +185,43 @@ def total_params(a: HFModelArgs) -> int:
     return layers + a.hidden_size + emb * (1 if a.tie_word_embeddings else 2)
 
 
-def lora_layer_params(a: HFModelArgs, tp: int, lora: LoRALayout) -> int:
-    """Adapter parameters of one layer on one TP rank (see the module docstring for their TP split)."""
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def lora_layer_params(a: HFModelArgs, tp: int, lora: LoRALayout, moe: bool = False) -> int:
+    """Adapter parameters of one layer on one TP rank (see the module docstring for their TP split), a MoE
+    layer's (`moe`) without its experts' (expert_lora_params): its MLP projections are the experts'."""
     d, h, ffn = a.head_dim, a.hidden_size, a.ffn_hidden_size
     q, kv = a.num_attention_heads * d, a.num_query_groups * d
     shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (ffn, h),
               "up_proj": (ffn, h), "down_proj": (h, ffn)}  # (out, in)
     n = 0
     for proj in lora.projections:
+        if moe and proj in MLP_PROJECTIONS:
+            continue
         out, inp = shapes[proj]
         n += lora.rank * (inp // tp + out if proj in ROW_PARALLEL_PROJECTIONS else inp + out // tp)
     return n
 
 
-def stage_lora_params(a: HFModelArgs, lay: RoleLayout, stage: int) -> int:
-    """Adapter parameters held by a rank of pipeline stage `stage` (0 without LoRA)."""
-    return 0 if lay.lora is None else len(stage_layers(a, lay, stage)) * lora_layer_params(a, lay.tp, lay.lora)
+def expert_lora_params(a: HFModelArgs, lora: LoRALayout, local_experts: int) -> int:
+    """The adapters of one MoE layer's local experts: each expert's adapted MLP projections, whole (expert-TP 1)."""
+    per_expert = sum(lora.rank * (a.hidden_size + a.moe_ffn_hidden_size) for p in lora.projections
+                     if p in MLP_PROJECTIONS)
+    return local_experts * per_expert
+
+
+def stage_lora_params(a: HFModelArgs, lay: RoleLayout, stage: int, experts_only: bool = False) -> int:
+    """Adapter parameters held by a rank of pipeline stage `stage` (0 without LoRA); `experts_only`: those of the
+    routed experts (their optimizer state is sharded over expert-DP = DP / EP)."""
+    if lay.lora is None:
+        return 0
+    layers = stage_layers(a, lay, stage)
+    experts = sum(expert_lora_params(a, lay.lora, (a.num_experts or 0) // lay.ep) for i in layers
+                  if i in a.moe_layers)
+    if experts_only:
+        return experts
+    return experts + sum(lora_layer_params(a, lay.tp, lay.lora, moe=i in a.moe_layers) for i in layers)
 
 
 def stage_expert_params(a: HFModelArgs, lay: RoleLayout, stage: int) -> int:
@@ -240,8 +261,11 @@ def model_state(a: HFModelArgs, lay: RoleLayout, prec: Precision, stage: int) ->
         return ModelState(params, 0 if lay.offloaded else weights, weights if lay.offloaded else 0, 0, 0, 0)
     if lay.lora is not None:  # frozen base: weights only; fp32 adapters with fp32 grads and Adam m, v
         adapters = stage_lora_params(a, lay, stage)
+        experts = stage_lora_params(a, lay, stage, experts_only=True)
         opt = adapters * ADAM_MOMENTS * FP32
-        sharded = math.ceil(opt / lay.replicas) if lay.distributed_optimizer else opt
+        sharded = (math.ceil((adapters - experts) * ADAM_MOMENTS * FP32 / lay.replicas)
+                   + math.ceil(experts * ADAM_MOMENTS * FP32 / (lay.replicas // lay.ep))) \
+            if lay.distributed_optimizer else opt
         return ModelState(params, weights + adapters * FP32, 0, adapters * FP32, sharded, opt, adapters)
     per_param = prec.master_bytes + ADAM_MOMENTS * FP32
     opt = params * per_param

@@ -191,18 +191,26 @@ class SGLangRolloutEngine(RolloutEngine):
         self, prompt_token_ids: list[list[int]], sampling: SamplingParams, step: int, prompt_indices: list[int]
     ) -> list[RolloutResponse]:
         """The driver's prompts are generated; every rank of the group gets the responses."""
+        self._check_adapter()
         requests = build_generate_request(prompt_token_ids, sampling, step, prompt_indices)
         return self._on_driver(lambda: self._run(*requests, prompt_lengths=[len(p) for p in requests[0]]))
 
     def _generate_interruptible(self, prompt_token_ids: list[list[int]], sampling: SamplingParams, step: int,
                                 prompt_indices: list[int], interrupt: Callable[[], bool]) -> list[RolloutResponse]:
+        self._check_adapter()
         requests = build_generate_request(prompt_token_ids, sampling, step, prompt_indices)
         return self._on_driver(lambda: self._run(*requests, interrupt=interrupt))
 
     def _continue(self, prompt_token_ids: list[list[int]], partial: list[RolloutResponse], sampling: SamplingParams,
                   step: int, interrupt: Callable[[], bool] | None) -> list[RolloutResponse]:
+        self._check_adapter()
         requests = build_continuation_request(prompt_token_ids, partial, sampling, step)
         return self._on_driver(lambda: self._run(*requests, interrupt=interrupt))
+
+    def _check_adapter(self) -> None:
+        if self._lora is not None and self._adapter_name is None:
+            raise RolloutStateError("generate() on an engine for adapter-only sync that holds no adapter (none loaded "
+                                    "yet, or the last load failed): push the adapters with update_adapter() first")
 
     def _run(self, input_ids: list[list[int]], params: list[dict[str, Any]], keys: list[tuple[int, int]], *,
              prompt_lengths: list[int] | None = None,
@@ -210,9 +218,6 @@ class SGLangRolloutEngine(RolloutEngine):
         """One generate call on the driver. `interrupt`: a watcher thread asks it every few milliseconds; once it
         says so, every request is aborted on SGLang's event loop (call_soon_threadsafe: the tokenizer manager is
         not thread-safe) and comes back with the tokens it has, finish reason "abort"."""
-        if self._lora is not None and self._adapter_name is None:
-            raise RolloutStateError("generate() on an engine for adapter-only sync that holds no adapter (none loaded "
-                                    "yet, or the last load failed): push the adapters with update_adapter() first")
         extra: dict[str, Any] = {} if self._adapter_name is None else {"lora_path": [self._adapter_name] * len(keys)}
         if self._routes is not None:
             extra["return_routed_experts"] = True

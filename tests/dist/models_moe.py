@@ -30,6 +30,7 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2), (1,
 EXPORT_LAYOUTS = [(1, 2, 2), (2, 1, 2), (2, 1, 2, 1)]
 DENSE_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1)]
 UNNORMED_LAYOUTS = [(1, 1, 1), (1, 1, 2)]
+LORA_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 2, 1)]  # LoRA on the experts: whole experts (expert-TP 1)
 
 
 def layout_name(tp: int, pp: int, ep: int, etp: int | None = None) -> str:
@@ -121,6 +122,10 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
         except ParallelLayoutError as err:
             res[f"bad_ep{ep}_tp{tp}"] = str(err)
 
+    from lora_moe import adapter_tensors, hf_merged_reference, lora_moe_cases
+
+    lora_reference = hf_merged_reference(load_hf_model(work / "qwen3_moe"), adapter_tensors(margs["qwen3_moe"]),
+                                         batches["qwen3_moe"], hf_reference)
     tp1_logits: dict[str, list] = {}
     tp1_log_probs: dict[str, list] = {}
     for layout in LAYOUTS:
@@ -148,6 +153,8 @@ def run_cases(work: Path, res: dict, rank: int) -> None:
             res[f"{key}/{name}/log_probs_vs_tp1"] = max_diff(lp, tp1_log_probs[name], "log_probs")
             res[f"{key}/{name}/log_probs"] = max_diff(lp, refs[name], "log_probs")
             res[f"{key}/{name}/entropy"] = max_diff(lp, refs[name], "entropy")
+            if name == "qwen3_moe" and layout in LORA_LAYOUTS:
+                lora_moe_cases(work, res, key, layout, args, dims, batches[name], lora_reference, lp)
             if name == "qwen3_moe" and tp == 1:
                 res[f"{key}/{name}/grad"] = moe_grad_diff(chunks, batches[name], args, hf_models[name])
             if name == "qwen3_moe" and tp > 1:  # megatron trains MoE layers under TP only with sequence parallelism
