@@ -38,6 +38,7 @@ def test_summary_is_the_hand_computation_of_the_records():
     calls = [{"start": t, "step": i, "prompt_tokens": 0, "lengths": [[0, 4], [0, 8], [1, 2], [1, 30]]}
              for i, t in enumerate(starts)]
     metrics = [{"step": s, "perf/total_num_tokens": 100 * s, "timing_s/step": float(s),
+                "perf/weight_sync_bytes": 1000.0 * (s % 2), "perf/weight_sync_gb_per_s": 0.1 * s,
                 "async/staleness/mean": 1.0 if s > 1 else 0.0, "async/gen_overlap_s": 0.5 * s} for s in (1, 2, 3, 4)]
     summary = off_policy.summarize({"calls": calls, "metrics": metrics}, warmup=1)
     # measured: steps 2 (period 13 - 10 = 3 s, 200 tokens) and 3 (18 - 13 = 5 s, 300 tokens)
@@ -47,6 +48,7 @@ def test_summary_is_the_hand_computation_of_the_records():
     assert summary["step_s"] == pytest.approx(2.5)
     assert summary["staleness"] == 1.0 and summary["overlap_s"] == pytest.approx(1.25)
     assert summary["newer_tokens"] == 0.0  # no partial rollouts in these records
+    assert summary["sync_gb_per_s"] == pytest.approx(0.2)  # steps 1 and 3 synced: median of 0.1 and 0.3
     assert summary["response_length"] == {"median": 6.0, "max": 30}
     assert summary["group_mean_length"] == {"median": 11.0, "max": 16}  # groups (4, 8) and (2, 30), twice
     table = off_policy.render({"colocated-2": summary, "k1": {**summary, "tokens_per_s": 2 * summary["tokens_per_s"]}})

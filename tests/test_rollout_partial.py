@@ -13,17 +13,9 @@ from transformers import AutoModelForCausalLM
 from mppo.rollout import SamplingParams
 from mppo.rollout.cpu_engine import CPURolloutEngine
 from mppo.rollout.partial import WeightSwitch, generate_partial
-from test_rollout_cpu_engine import VOCAB, tiny_qwen2_config
+from test_rollout_cpu_engine import VOCAB, single_thread, tiny_qwen2_config  # noqa: F401 (autouse fixture)
 
 SAMPLED = SamplingParams(n=2, temperature=0.8, top_k=50, max_new_tokens=16, seed=5)
-
-
-@pytest.fixture(autouse=True)
-def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def model(seed: int):

@@ -24,7 +24,9 @@ colocated-1 shows what the split runs would be without a second rank.
 
 Per case it prints the median over the measured steps of the step period (seconds from one training generation's
 start to the next: everything a step costs, the pipeline's overlap included), the trainer's `timing_s/step`, and
-tokens (prompt + response) per second of period; then each case's throughput over colocated-2's and colocated-1's.
+tokens (prompt + response) per second of period, and the actor -> engine weight sync's rate (the trainer's side of
+`perf/weight_sync_gb_per_s`: co-located, the export into the engine; separate, the export and the stream over the
+bridge, after which the engine loads on its own); then each case's throughput over colocated-2's and colocated-1's.
 Wall-clock figures: other processes on the machine slow them (the load average is printed).
 """
 from __future__ import annotations
@@ -168,6 +170,9 @@ def summarize(result: dict[str, Any], warmup: int) -> dict[str, Any]:
             "staleness": statistics.mean(rows[s].get("async/staleness/mean", 0.0) for s in steps),
             "overlap_s": statistics.median(rows[s].get("async/gen_overlap_s", 0.0) for s in steps),
             "newer_tokens": statistics.mean(rows[s].get("async/partial/newer_token_fraction", 0.0) for s in steps),
+            # the steps that synced (the trainer's side: export + send; across the split the engine loads after)
+            "sync_gb_per_s": statistics.median([r["perf/weight_sync_gb_per_s"] for r in rows.values()
+                                                if r.get("perf/weight_sync_bytes", 0) > 0] or [0.0]),
             "response_length": {"median": statistics.median(lengths), "max": max(lengths)},
             "group_mean_length": {"median": statistics.median(group_mean), "max": max(group_mean)}}
 
@@ -184,7 +189,8 @@ def render(summaries: dict[str, dict[str, Any]]) -> str:
                 **s["group_mean_length"])),
             ("async/staleness/mean", lambda s: f"{s['staleness']:.2f}"),
             ("async/gen_overlap_s (median)", lambda s: f"{s['overlap_s']:.2f}"),
-            ("tokens on the newest weights", lambda s: f"{s['newer_tokens']:.2f}"))
+            ("tokens on the newest weights", lambda s: f"{s['newer_tokens']:.2f}"),
+            ("weight sync GB/s (median)", lambda s: f"{s['sync_gb_per_s']:.3f}"))
     lines = [head, "-" * len(head)] + [f"{label:<34}" + "".join(f"{fn(summaries[n]):>14}" for n in names)
                                        for label, fn in rows]
     for base in ("colocated-2", "colocated-1"):
