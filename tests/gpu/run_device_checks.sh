@@ -99,7 +99,7 @@ if [[ " $STAGES " == *" parallel "* ]]; then
 fi
 if [[ " $STAGES " == *" async "* ]]; then
   GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-  stage "co-located vs separate k=0, k=1, k=2 GRPO steps on long-tail lengths (mppo bench off-policy, 2 GPUs)"
+  stage "co-located vs separate k=0, k=1, k=2, k=1 partial-rollout GRPO steps on long-tail lengths (mppo bench off-policy, 2 GPUs)"
   if (( GPUS >= 2 )); then
     timeout 500 "$PY" -m mppo bench off-policy --device cuda --json "$OUT/reports/bench_off_policy.json"
     echo "bench off-policy rc=$?"
