@@ -324,10 +324,7 @@ class Rollout:
             else:
                 mine = agent.generate(self.engine, own, sampling, step=step, prompt_offsets=offsets,
                                       run_tools=self._group_tools(agent))
-        responses = self._gather(mine if self.layout.is_driver else [])
-        if partial is not None:
-            return responses
-        return [dataclasses.replace(r, policy_version=self.version) for r in responses]
+        return stamp_version(self._gather(mine if self.layout.is_driver else []), self.version)
 
     def _group_tools(self, agent: AgentLoop) -> ToolRunner:
         """The agent's tools run on the group's first rank, their messages shared with the group's other ranks:
@@ -399,9 +396,15 @@ def unpack_responses(packed: dict[str, torch.Tensor]) -> list[RolloutResponse]:
     return [RolloutResponse(prompt_index=int(key[0]), sample_index=int(key[1]), token_ids=t.tolist(),
                             log_probs=lp.tolist(), finish_reason="stop" if key[2] else "length",
                             routed_experts=experts, loss_mask=mask, num_tool_calls=calls, token_versions=version,
-                            policy_version=min(version, default=None) if version is not None else None)
+                            policy_version=min(version) if version else None)
             for key, t, lp, experts, mask, calls, version in zip(packed["keys"].tolist(), tokens, log_probs, routes,
                                                                   loss_masks, tool_calls, versions)]
+
+
+def stamp_version(responses: list[RolloutResponse], version: int | None) -> list[RolloutResponse]:
+    """The responses with `version` as their policy version, except those whose token versions say already
+    (partial rollouts: the oldest of them)."""
+    return [r if r.token_versions else dataclasses.replace(r, policy_version=version) for r in responses]
 
 
 def build_rollout(cfg: MppoConfig, *, device: torch.device, dtype: torch.dtype, log_dir: Path,

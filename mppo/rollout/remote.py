@@ -48,7 +48,7 @@ from mppo.config import MppoConfig
 from mppo.models.hf_config import HFModelArgs
 from mppo.parallel.placement import Side
 from mppo.rollout.base import NamedTensor, RolloutResponse, SamplingParams
-from mppo.rollout.factory import build_rollout, launch_layout, pack_responses, unpack_responses
+from mppo.rollout.factory import build_rollout, launch_layout, pack_responses, stamp_version, unpack_responses
 from mppo.rollout.partial import WeightSwitch
 from mppo.rollout.weight_sync import SyncStats, push_actor_weights
 
@@ -178,8 +178,7 @@ class RemoteRollout:
         answer = self.bridge.broadcast_object(None, self._engine0, answers=True)
         wait = time.perf_counter() - began
         version = answer["version"]
-        request.received = [r if r.token_versions else dataclasses.replace(r, policy_version=version)
-                            for r in unpack_responses(answer["packed"])]
+        request.received = stamp_version(unpack_responses(answer["packed"]), version)
         request.record = GenerationRecord(version, answer["start"], answer["end"], wait, time.time(),
                                           **partial_counts(request.received))
         self.records.append(request.record)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,14 +102,14 @@ def restore_in_flight(rollout: Any, checkpoint: Path) -> int:
         return 0
     from safetensors.torch import load_file
 
-    from mppo.rollout.factory import unpack_responses
+    from mppo.rollout.factory import stamp_version, unpack_responses
     from mppo.rollout.remote import GenerationRecord, partial_counts, request_key
 
     requests, tensors = json.loads((directory / _REQUESTS).read_text()), load_file(directory / _RESPONSES)
     for i, request in enumerate(requests):
         packed = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.split(".", 1)[0] == str(i)}
         version = request["version"]
-        responses = [r if r.token_versions else replace(r, policy_version=version) for r in unpack_responses(packed)]
+        responses = stamp_version(unpack_responses(packed), version)
         record = GenerationRecord(version, request["start"], request["end"], trainer_wait_s=0.0, collected=0.0,
                                   **partial_counts(responses))
         rollout.restore(request_key(request["prompts"], request["sampling"], request["step"],
