@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from mppo.bench.fresh_process import run_torchrun
-from mppo.bench.step import DEFAULT_CONFIG, REPO, bench_assets, cpu_cores, load_average, run_and_report
+from mppo.bench.step import DEFAULT_CONFIG, bench_assets, cpu_cores, load_average, run_and_report
 
 SEPARATE = ["actor_rollout_ref.hybrid_engine=false", "trainer.n_gpus_per_node=1",
             "actor_rollout_ref.rollout.n_gpus_per_node=1", "actor_rollout_ref.rollout.nnodes=1"]
