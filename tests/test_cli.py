@@ -105,7 +105,21 @@ def test_dry_run_without_a_file_prints_the_defaults(capsys):
     assert code == 0 and yaml.safe_load(out) == yaml.safe_load(to_yaml(load_config(None)))
 
 
-def test_train_hands_the_config_to_the_trainer(capsys, monkeypatch):
+@pytest.fixture
+def run_dir(tmp_path, monkeypatch) -> Path:
+    """A RUN_DIR for configs/demo_cpu.yaml whose inputs pass the start-up checks: a model directory (a built-in
+    model's config.json) and a data file name."""
+    import json
+
+    from mppo.plan import known_config
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(known_config("Qwen2.5-0.5B")[1]))
+    monkeypatch.setenv("RUN_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_train_hands_the_config_to_the_trainer(capsys, monkeypatch, run_dir):
     received = []
     fake_module(monkeypatch, "mppo.trainer", run=lambda cfg: received.append(cfg) or 3)
     code, _, _ = run(capsys, "train", str(REPO / "configs/demo_cpu.yaml"), "trainer.seed=5")
@@ -113,7 +127,17 @@ def test_train_hands_the_config_to_the_trainer(capsys, monkeypatch):
     assert received == [load_config(str(REPO / "configs/demo_cpu.yaml"), ["trainer.seed=5"])]
 
 
-def test_a_trainer_bug_keeps_its_traceback(capsys, monkeypatch):
+def test_train_stops_on_a_missing_model_before_the_trainer_starts(capsys, monkeypatch, run_dir):
+    """The start-up checks (mppo.preflight) run in `mppo train` itself: one line, the key and the fix."""
+    fake_module(monkeypatch, "mppo.trainer", run=lambda cfg: pytest.fail("the trainer started"))
+    code, out, err = run(capsys, "train", str(REPO / "configs/demo_cpu.yaml"),
+                         f"actor_rollout_ref.model.path={run_dir}/nothing")
+    assert code == 2 and out == ""
+    assert err == (f"mppo: error: actor_rollout_ref.model.path='{run_dir}/nothing' does not exist; give an HF model "
+                   "directory (config.json + safetensors), e.g. one written by `mppo convert` or save_pretrained\n")
+
+
+def test_a_trainer_bug_keeps_its_traceback(capsys, monkeypatch, run_dir):
     def broken(cfg):
         raise RuntimeError("bug")
 

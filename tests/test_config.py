@@ -160,12 +160,13 @@ def test_nulls_inherit_their_parents():
     cfg = load(f"{ACTOR}.ppo_mini_batch_size=64", f"{ACTOR}.ppo_micro_batch_size_per_gpu=2", f"{ACTOR}.ppo_epochs=3",
                f"{ACTOR}.megatron.tensor_model_parallel_size=2", f"{ACTOR}.megatron.recompute=full",
                f"{ACTOR}.clip_ratio=0.3", f"{ACTOR}.clip_ratio_high=0.28", "trainer.seed=5",
-               "actor_rollout_ref.model.path=/m", "critic.megatron.pipeline_model_parallel_size=2")
+               "actor_rollout_ref.model.path=/m", "critic.megatron.param_offload=true")
     critic, ref, actor = cfg.critic, cfg.actor_rollout_ref.ref, cfg.actor_rollout_ref.actor
     assert (critic.ppo_mini_batch_size, critic.ppo_micro_batch_size_per_gpu, critic.ppo_epochs) == (64, 2, 3)
     assert critic.megatron.tensor_model_parallel_size == 2 and critic.megatron.recompute == "full"
-    assert critic.megatron.pipeline_model_parallel_size == 2  # set explicitly: not overwritten by the actor's
+    assert critic.megatron.param_offload is True  # set explicitly: not overwritten by the actor's
     assert ref.megatron.tensor_model_parallel_size == 2 and ref.megatron.pipeline_model_parallel_size == 1
+    assert ref.megatron.param_offload is False
     assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.3, 0.28)
     assert (cfg.data.seed, actor.megatron.seed, critic.megatron.seed, ref.megatron.seed) == (5, 5, 5, 5)
     assert cfg.actor_rollout_ref.model.tokenizer_path == "/m" and critic.model.path == "/m"
@@ -283,7 +284,8 @@ def test_choices_come_from_the_core_algos_registries():
     ("actor_rollout_ref.rollout.n=0", "actor_rollout_ref.rollout.n = 0: must be >= 1"),
     ("algorithm.gamma=1.1", "algorithm.gamma = 1.1: must be in [0, 1]"),
     ("trainer.save_freq=0", "trainer.save_freq = 0: must be -1 (off) or >= 1"),
-    ("critic.optim.lr=-1e-5", "critic.optim.lr = -1e-05: must be >= 0"),
+    ("critic.optim.lr=-1e-5", "critic.optim.lr = -1e-05: must be > 0"),
+    (f"{ACTOR}.optim.lr=0", f"{ACTOR}.optim.lr = 0.0: must be > 0"),
     (f"{ACTOR}.optim.betas=[0.9]", f"{ACTOR}.optim.betas = [0.9]: Adam needs two betas in [0, 1)"),
     (f"{ACTOR}.megatron.tensor_model_parallel_size=null", f"{ACTOR}.megatron.tensor_model_parallel_size is null"),
 ])
@@ -353,14 +355,10 @@ def test_expert_tensor_parallel_is_tp_by_default_and_must_fit():
                               "divide the 8 ranks of a pipeline stage")
     message = error_of(f"{ACTOR}.megatron.expert_tensor_parallel_size=0")
     assert message.startswith(f"{ACTOR}.megatron.expert_tensor_parallel_size = 0: must be >= 1")
-    from mppo.config.validate import check_shared_layout
-
-    check_shared_layout(load("critic.megatron.expert_tensor_parallel_size=2",
-                             f"{ACTOR}.megatron.tensor_model_parallel_size=2"))  # = the actor's TP
-    with pytest.raises(ConfigError, match="critic.megatron.expert_tensor_parallel_size=1 differs from the actor's 2"):
-        check_shared_layout(load("critic.megatron.expert_tensor_parallel_size=1",
-                                 f"{ACTOR}.megatron.tensor_model_parallel_size=2",
-                                 f"{ACTOR}.megatron.expert_model_parallel_size=2"))
+    load("critic.megatron.expert_tensor_parallel_size=2", f"{ACTOR}.megatron.tensor_model_parallel_size=2")  # = TP
+    message = error_of("critic.megatron.expert_tensor_parallel_size=1", f"{ACTOR}.megatron.tensor_model_parallel_size=2",
+                       f"{ACTOR}.megatron.expert_model_parallel_size=2")
+    assert message.startswith("critic.megatron.expert_tensor_parallel_size=1 differs from the actor's 2")
 
 
 @pytest.mark.parametrize("role", [ACTOR, "critic", "actor_rollout_ref.ref"])
@@ -405,10 +403,14 @@ def test_context_parallel_takes_ranks_from_data_parallelism_and_is_inherited():
     assert message.endswith("does not split over DP = 2 ranks; make ppo_mini_batch_size x rollout.n a multiple of 2")
 
 
-def test_unused_ref_and_critic_layouts_are_not_checked():
-    load("actor_rollout_ref.ref.megatron.tensor_model_parallel_size=3")  # no KL: no reference model
-    load("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
-         "critic.megatron.tensor_model_parallel_size=3")  # no critic
+def test_unused_ref_and_critic_layouts_must_still_be_the_actors():
+    """Each role's own layout is checked only for the models the run builds, but megatron has one set of process
+    groups: a layout other than the actor's is refused for a critic or reference that is not built too."""
+    message = error_of("actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2")  # no KL: no reference model
+    assert message.startswith("actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2 differs from the actor's 1")
+    message = error_of("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
+                       "critic.megatron.tensor_model_parallel_size=3")  # no critic
+    assert message.startswith("critic.megatron.tensor_model_parallel_size=3 differs from the actor's 1")
 
 
 def test_virtual_pipeline_needs_pipeline():

@@ -49,6 +49,11 @@ ALLOWLIST: dict[str, str] = {
                                                 "reference has no optimizer and no RNG of its own, so validation "
                                                 "warns when it is set (mppo.config.validate.REF_INERT_KEYS)"
        for key in ("seed", "optimizer_offload")},
+    **{f"{role}.megatron.{key}": "one layout for every model: megatron's process groups are built from the actor's, "
+                                 "and validation refuses any other value (mppo.config.validate.check_shared_layout)"
+       for role in ("actor_rollout_ref.ref", "critic")
+       for key in ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                   "expert_model_parallel_size")},
 }
 
 

@@ -575,7 +575,7 @@ def test_step_time_follows_rollout_correction_like_the_trainer():
     """IS weights or rejection need the old log-probs before the update (the pass comes back, as in the trainer);
     bypass mode takes them from the engine (no pass, even with two mini-batches)."""
     from mppo.config import load_config
-    from mppo.config.decisions import old_log_prob_pass
+    from mppo.config.decisions import OldLogProbSource, old_log_prob_source
     from mppo.models.hf_config import read_hf_config
     from mppo.plan import known_config, plan
 
@@ -589,7 +589,7 @@ def test_step_time_follows_rollout_correction_like_the_trainer():
                             ([f"{rc}.bypass_mode=true", f"actor_rollout_ref.actor.ppo_mini_batch_size={batch // 2}"],
                              False)):
         cfg = load_config(recipe, [f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}", *extra])
-        assert old_log_prob_pass(cfg) is has_pass, extra
+        assert (old_log_prob_source(cfg) is OldLogProbSource.ACTOR_PASS) is has_pass, extra
         assert (plan(cfg, args).step.old_log_prob_s > 0) is has_pass, extra
 
 

@@ -127,23 +127,23 @@ def test_the_trainer_checks_stop_in_one_line_without_it(plain, tmp_path, marker)
     """The start-up checks (`mppo train` with or without --dry-run): the file, the key and the fix."""
     from mppo.models.hf_config import UnsupportedModelError
     from mppo.models.remote_code import RemoteCodeError
-    from mppo.preflight import check_config
+    from mppo.preflight import check_models
 
     tok = custom_tokenizer(plain, tmp_path / "tok", marker)
     with pytest.raises(RemoteCodeError) as info:
-        check_config(_cfg(plain, f"actor_rollout_ref.model.tokenizer_path={tok}"))
+        check_models(_cfg(plain, f"actor_rollout_ref.model.tokenizer_path={tok}"))
     message = str(info.value)
     assert "\n" not in message and f"{tok}/tokenizer_config.json auto_map.AutoTokenizer" in message
     assert message.endswith("it runs only with actor_rollout_ref.model.trust_remote_code=true; set it for a "
                             "checkpoint you trust, or use one without custom code")
-    check_config(_cfg(plain, f"actor_rollout_ref.model.tokenizer_path={tok}",
+    check_models(_cfg(plain, f"actor_rollout_ref.model.tokenizer_path={tok}",
                       "actor_rollout_ref.model.trust_remote_code=true"))
     # an architecture mppo does not build is refused whatever the setting: its code would not be run
     unknown = custom_model(plain, tmp_path / "unknown", marker, model_type="my_llm")
     for trust in ("false", "true"):
         with pytest.raises(UnsupportedModelError, match=r"model_type 'my_llm' is not supported \(its auto_map code "
                                                         r"is not run: mppo builds its own models\)"):
-            check_config(_cfg(unknown, f"actor_rollout_ref.model.trust_remote_code={trust}"))
+            check_models(_cfg(unknown, f"actor_rollout_ref.model.trust_remote_code={trust}"))
     assert _ran(marker) == []  # the checks only read the json files
 
 

@@ -55,7 +55,7 @@ def assets(tmp_path_factory) -> Path:
 
 def test_mask_truncated_removes_cut_responses_from_the_mask():
     from mppo.config import load_config
-    from mppo.trainer.metrics import UNREJECTED_MASK
+    from mppo.workers.batch_schema import UNREJECTED_MASK
     from mppo.trainer.response_shaping import mask_truncated
 
     cfg = load_config(None, ["data.max_response_length=3", "algorithm.mask_truncated_responses=true"])

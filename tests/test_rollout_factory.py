@@ -7,7 +7,7 @@ import importlib.metadata
 import pytest
 import yaml
 
-from mppo.config import ConfigError
+from mppo.config import ConfigError, load_config
 from mppo.rollout import RolloutResponse
 from mppo.rollout.factory import pack_responses, rollout_layout, unpack_responses
 from dist_util import REPO
@@ -23,8 +23,24 @@ def test_groups_are_consecutive_ranks_of_one_node():
     driver = rollout_layout(2, rank=6, world=8, local_rank=2, local_world=4)
     assert driver.is_driver and driver.base_gpu_id == 2
     assert rollout_layout(1, rank=3, world=4, local_rank=3, local_world=4).groups == ((0,), (1,), (2,), (3,))
-    with pytest.raises(ConfigError, match="does not divide the 4 ranks per node"):
+    with pytest.raises(ValueError, match="does not divide the 4 ranks per node"):
         rollout_layout(3, rank=0, world=8, local_rank=0, local_world=4)
+
+
+def test_an_engine_that_does_not_fit_a_node_of_the_launch_stops_at_start_up(monkeypatch):
+    """The config's trainer.n_gpus_per_node is validated; the launch's own node size (torchrun's
+    LOCAL_WORLD_SIZE) is checked at start-up by mppo.preflight."""
+    from mppo.preflight import check_rollout_launch
+
+    cfg = load_config(None, ["actor_rollout_ref.rollout.tensor_model_parallel_size=4"])  # 8 ranks per node
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    check_rollout_launch(cfg)  # not under torchrun: nothing to check
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    check_rollout_launch(cfg)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size = 4: an engine's ranks must lie on one node, "
+                                          r"but it does not divide the 6 ranks per node of this launch"):
+        check_rollout_launch(cfg)
 
 
 def test_shares_cover_the_prompts_in_order():

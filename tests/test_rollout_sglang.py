@@ -336,7 +336,7 @@ def test_a_qwen3_moe_with_dense_layers_is_refused_for_sglang(tmp_path):
     import json
 
     from mppo.config import ConfigError
-    from mppo.rollout.factory import check_sglang_serves
+    from mppo.preflight import check_sglang_serves
 
     config = {"model_type": "qwen3_moe", "vocab_size": 100, "hidden_size": 16, "intermediate_size": 32,
               "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,

@@ -102,7 +102,7 @@ def _kept_by_sampler(metric: str, returns: str) -> set[int]:
                            ground_truths=[None] * len(ROWS), extra_infos=[None] * len(ROWS))
     io = SimpleNamespace(is_leader=True, broadcast_from_leader=lambda obj: obj, dp_group=None,
                          dims=SimpleNamespace(dp_rank=0))
-    trainer = SimpleNamespace(cfg=cfg, io=io, estimator_needs=(), data=SimpleNamespace(
+    trainer = SimpleNamespace(cfg=cfg, io=io, reward_inputs=[], data=SimpleNamespace(
         reward=RewardManager(tokenizer, compute_score)))
     trainer.reward = lambda *args: PPOTrainer.reward(trainer, *args)
     PPOTrainer.train_reward(trainer, batch, rows, None, 0)

@@ -14,6 +14,7 @@ import pytest
 
 from dist_util import REPO, run_torchrun
 from e2e_assets import dense_reward, make_assets, tiny_overrides
+from test_batch_schema import check_batch_specs
 
 N = 2
 
@@ -42,6 +43,7 @@ def test_every_registered_estimator_runs_two_steps(assets, tmp_path):
         assert case["advantages_finite"] and case["advantages_nonzero"], name
         assert ("reward_baselines" in case["batch_keys"]) == (name == "remax"), name
         assert ("sum_pi_squared" in case["batch_keys"]) == name.endswith("optimal_token_baseline"), name
+        check_batch_specs(case["batch_specs"])  # the update's batch is the declared one (mppo.workers.batch_schema)
 
     remax = result["remax"]
     expected = [b for b in remax["hf_greedy_baselines"] for _ in range(N)]

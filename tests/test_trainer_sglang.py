@@ -278,7 +278,7 @@ def test_memory_choreography_order(launch):
         for name in CASES:
             events = " ".join(r[name]["events"]) + " "
             # the separate old-log-prob pass runs only where the update cannot reuse its own forward
-            # (decisions.old_log_prob_pass, tested in test_trainer_onpolicy): optional here
+            # (decisions.old_log_prob_source, tested in test_trainer_onpolicy): optional here
             train = (r"(actor\.compute_log_prob )?critic\.update actor\.update " if name.endswith("ppo")
                      else r"(actor\.compute_log_prob )?actor\.update ")
             pattern = GENERATION + f"({GENERATION}{train}){{3}}"

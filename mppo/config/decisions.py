@@ -2,7 +2,17 @@
 predicts what the trainer will do)."""
 from __future__ import annotations
 
+import enum
+
 from mppo.config.schema import MegatronConfig, MppoConfig
+
+
+class OldLogProbSource(enum.Enum):
+    """Where a step's old log-probs (the policy that generated the rollout, for the PPO ratio) come from."""
+
+    ACTOR_PASS = "the actor's log-prob pass before the update"
+    UPDATE_FORWARD = "the actor update's forward (on-policy step)"
+    ROLLOUT = "the rollout engine (rollout correction bypass mode)"
 
 
 def off_policy_update(cfg: MppoConfig) -> str:
@@ -42,10 +52,12 @@ def old_log_prob_reuse(cfg: MppoConfig) -> tuple[bool, str]:
     return True, ""
 
 
-def old_log_prob_pass(cfg: MppoConfig) -> bool:
-    """Whether a step runs a separate old-log-prob forward before the update: not when the update's forward
-    supplies them (`old_log_prob_reuse`), nor in rollout-correction bypass mode (they are the engine's)."""
-    return not cfg.algorithm.rollout_correction.bypass_mode and not old_log_prob_reuse(cfg)[0]
+def old_log_prob_source(cfg: MppoConfig) -> OldLogProbSource:
+    """Rollout correction's bypass mode takes the engine's; an update that may reuse its own forward
+    (`old_log_prob_reuse`) takes them from it; otherwise a separate forward pass runs before the update."""
+    if cfg.algorithm.rollout_correction.bypass_mode:
+        return OldLogProbSource.ROLLOUT
+    return OldLogProbSource.UPDATE_FORWARD if old_log_prob_reuse(cfg)[0] else OldLogProbSource.ACTOR_PASS
 
 
 def uses_reference(cfg: MppoConfig) -> bool:
@@ -72,16 +84,15 @@ def old_log_prob_micro_batch(cfg: MppoConfig) -> int | None:
     return None if arr.actor.use_dynamic_bsz else arr.rollout.log_prob_micro_batch_size_per_gpu
 
 
-def old_log_prob_source(cfg: MppoConfig) -> str | None:
-    """Where the actor update's old log-probs come from, for the start-up log when a config asks for a shortcut
-    (actor.reuse_on_policy_log_prob, rollout-correction bypass mode); None: the usual separate pass."""
-    bypass = cfg.algorithm.rollout_correction.bypass_mode
-    if not (cfg.actor_rollout_ref.actor.reuse_on_policy_log_prob or bypass):
+def describe_old_log_prob_source(cfg: MppoConfig) -> str | None:
+    """The start-up log line when a config asks for a shortcut (actor.reuse_on_policy_log_prob, rollout-correction
+    bypass mode): where the old log-probs come from and, when the shortcut does not apply, why; None otherwise."""
+    source = old_log_prob_source(cfg)
+    if not (cfg.actor_rollout_ref.actor.reuse_on_policy_log_prob or source is OldLogProbSource.ROLLOUT):
         return None
-    if bypass:
-        return "from the rollout engine (rollout correction bypass mode)"
-    reuse, why_not = old_log_prob_reuse(cfg)
-    return "from the actor update's forward (on-policy step)" if reuse else f"recomputed before the update: {why_not}"
+    if source is OldLogProbSource.ACTOR_PASS:
+        return f"recomputed before the update: {old_log_prob_reuse(cfg)[1]}"
+    return f"from {source.value}"
 
 
 def uses_sequence_parallel(megatron: MegatronConfig) -> bool:

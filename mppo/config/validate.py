@@ -96,12 +96,12 @@ _RANGES: list[tuple[list[str], tuple[Callable[[Any], bool], str]]] = [
                                                        "virtual_pipeline_model_parallel_size",
                                                        "expert_model_parallel_size", "expert_tensor_parallel_size")],
      _at_least(1)),
-    ([f"{o}.{k}" for o in _OPTIMS for k in ("lr", "weight_decay", "clip_grad")]
+    ([f"{o}.{k}" for o in _OPTIMS for k in ("weight_decay", "clip_grad")]
      + [f"{ACTOR}.kl_loss_coef", "algorithm.kl_ctrl.kl_coef", f"{ROLLOUT}.val_kwargs.temperature",
         "trainer.critic_warmup", "trainer.max_consecutive_skips", "reward.max_failed_steps"]
      + [f"{m}.override_transformer_config.{k}" for m in _ROLES_MEGATRON
         for k in ("moe_aux_loss_coeff", "moe_z_loss_coeff")], _at_least(0)),
-    ([f"{o}.eps" for o in _OPTIMS] + [f"{ACTOR}.clip_ratio", f"{ACTOR}.clip_ratio_low", f"{ACTOR}.clip_ratio_high",
+    ([f"{o}.{k}" for o in _OPTIMS for k in ("lr", "eps")] + [f"{ACTOR}.clip_ratio", f"{ACTOR}.clip_ratio_low", f"{ACTOR}.clip_ratio_high",
                                       "critic.cliprange_value", "algorithm.kl_ctrl.target_kl",
                                       f"{ROLLOUT}.temperature", f"{ROLLOUT}.multi_turn.tool_timeout_s"], _above(0)),
     ([f"{ACTOR}.tau_pos", f"{ACTOR}.tau_neg", f"{ACTOR}.policy_loss.dro_beta"], _above(0)),
@@ -159,9 +159,7 @@ SHARED_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_siz
 
 def check_shared_layout(cfg: MppoConfig) -> None:
     """Actor, critic and reference share megatron's one set of process groups, so they share one layout (for the
-    critic and reference even when they are not built). Not part of `validate`, which checks each role's layout on
-    its own (configs for other trainers load too): `mppo train`, with or without --dry-run, and the trainer check
-    it."""
+    critic and reference even when they are not built); checked after each role's layout on its own."""
     from mppo.config.decisions import expert_tensor_parallel_size
 
     def value(section, key: str):  # expert-TP null means TP, which is shared already
@@ -574,6 +572,7 @@ def validate(cfg: MppoConfig, world_size: int | None = None) -> None:
                                 _data_parallel_size(cfg, REF, world, world_text))
     if cfg.critic.enable:
         _check_batches(cfg, "critic", _data_parallel_size(cfg, "critic", world, world_text))
+    check_shared_layout(cfg)
     check_model_limits(cfg)
     check_expert_parallel(cfg)
     check_router_replay(cfg)

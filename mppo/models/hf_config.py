@@ -275,3 +275,18 @@ def gpt_model_kwargs(args: HFModelArgs) -> dict[str, Any]:
 def hf_dtype(args: HFModelArgs) -> torch.dtype | None:
     """The dtype config.json declares for the weights, if any."""
     return getattr(torch, args.torch_dtype) if isinstance(args.torch_dtype, str) else None
+
+
+# What makes a model "the same model" for a resume: its architecture as config.json states it.
+MODEL_FACTS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+
+
+def model_facts(model_path: str | Path) -> dict[str, Any]:
+    """The architecture facts of the HF model at `model_path`, from its config.json (mppo.preflight has checked
+    that there is one)."""
+    config = json.loads((Path(model_path).expanduser() / "config.json").read_text())
+    facts = {key: config.get(key) for key in MODEL_FACTS}
+    # dropout changes what an update computes; listed only when set, so older checkpoints of models without it resume
+    facts.update({key: config[key] for key in ("attention_dropout", "hidden_dropout") if config.get(key)})
+    return facts

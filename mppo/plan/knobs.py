@@ -14,6 +14,7 @@ import warnings
 from typing import Any
 
 from mppo.config import ConfigError, MppoConfig, get_key, validate
+from mppo.config.validate import SHARED_LAYOUT_KEYS
 from mppo.models.hf_config import HFModelArgs
 from mppo.plan.memory import PlanError
 from mppo.plan.planner import MEGATRON, Plan, Suggestion, plan
@@ -82,9 +83,16 @@ def _candidates(cfg: MppoConfig, a: HFModelArgs, p: Plan, world: int) -> list[tu
 
 
 def _trial(cfg: MppoConfig, overrides: dict[str, Any]) -> MppoConfig:
+    """`cfg` with `overrides`. A layout knob names the roles the run builds; one it does not build follows the
+    actor's layout, as its null would on the command line (every model shares one layout: check_shared_layout)."""
     trial = copy.deepcopy(cfg)
     for key, value in overrides.items():
         _set(trial, key, value)
+        section, _, name = key.rpartition(".")
+        if section == f"{ACTOR}.megatron" and name in SHARED_LAYOUT_KEYS:
+            for other in (f"{REF}.megatron", "critic.megatron"):
+                if f"{other}.{name}" not in overrides:
+                    _set(trial, f"{other}.{name}", value)
     return trial
 
 

@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mppo.config import MegatronConfig, MppoConfig, get_key, resolve
-from mppo.config.decisions import old_log_prob_pass, uses_critic, uses_reference, uses_sequence_parallel
+from mppo.config.decisions import (OldLogProbSource, old_log_prob_source, uses_critic, uses_reference,
+                                   uses_sequence_parallel)
 from mppo.config.lora import lora_enabled, lora_projections
 from mppo.models.hf_config import HFModelArgs
 from mppo.plan import memory as mem
@@ -359,7 +360,8 @@ def _moe(cfg: MppoConfig, a: HFModelArgs, layouts: list[mem.RoleLayout], roles: 
         return None
     actor = layouts[0]
     tokens = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n * seq / actor.replicas  # on one rank
-    passes = 2 * cfg.actor_rollout_ref.actor.ppo_epochs + int(old_log_prob_pass(cfg)) + int(uses_reference(cfg))
+    actor_pass = old_log_prob_source(cfg) is OldLogProbSource.ACTOR_PASS
+    passes = 2 * cfg.actor_rollout_ref.actor.ppo_epochs + int(actor_pass) + int(uses_reference(cfg))
     stage = next(r.stage for r in roles if r.layout.role == "actor")
     return MoEPlan(actor.ep, a.num_experts // actor.ep, mem.stage_expert_params(a, actor, stage),
                    passes * mem.all_to_all_bytes(a, tokens, actor.ep, prec.act_bytes))
@@ -433,8 +435,9 @@ def _step_time(cfg: MppoConfig, a: HFModelArgs, layouts: list[mem.RoleLayout], r
     work = Workload(samples, d.max_prompt_length, d.max_response_length, world, rollout.engine_tp, rollout.weights,
                     rollout.kv_bytes_per_token, max(rollout.kv_tokens, 0))
     prefill, decode, waves = generation_time(a, work, spec.peak_flops, mfu, spec.hbm_bytes_per_s)
+    actor_pass = old_log_prob_source(cfg) is OldLogProbSource.ACTOR_PASS
     return StepTime(mfu=mfu, world=world, peak_flops=spec.peak_flops, hbm_bytes_per_s=spec.hbm_bytes_per_s,
                     tokens=tokens, generation_s=prefill + decode, prefill_s=prefill, decode_s=decode,
-                    decode_waves=waves, old_log_prob_s=times["actor"] if old_log_prob_pass(cfg) else 0.0,
+                    decode_waves=waves, old_log_prob_s=times["actor"] if actor_pass else 0.0,
                     ref_s=times["ref"], values_s=times["critic"],
                     update_critic_s=times["update_critic"], update_actor_s=times["update_actor"])

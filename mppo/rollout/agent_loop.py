@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mppo.config import ConfigError, MppoConfig
+from mppo.config import MppoConfig
 from mppo.rollout.base import RolloutEngine, RolloutResponse, SamplingParams
 from mppo.rollout.tools import ToolCall, parse_tool_calls, run_tool_call
 
@@ -33,7 +33,6 @@ __all__ = ["AgentLoop", "ToolRunner", "build_agent_loop", "tool_turn_ids", "run_
 TOOL_CALL_END = "</tool_call>"
 # Offsets of a conversation's successive generate calls are conv_id + k * _CALL_STRIDE (conv ids stay below it).
 _CALL_STRIDE = 1 << 40
-MULTI_TURN = "actor_rollout_ref.rollout.multi_turn"
 
 # Runs the parsed tool calls of one turn, returns one message per call (the factory runs them on a group's first
 # rank and shares the texts, so every rank of an SGLang group continues the same conversation).
@@ -174,27 +173,10 @@ class AgentLoop:
 
 
 def build_agent_loop(cfg: MppoConfig, tokenizer: Any) -> AgentLoop | None:
-    """The run's AgentLoop (None when multi_turn is off), after the checks that need the tokenizer: one line
-    naming what cannot work, before any model is built."""
+    """The run's AgentLoop (None when multi_turn is off); mppo.preflight.check_tokenizer has checked that the
+    tokenizer's chat template renders tool turns."""
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     if not mt.enable:
         return None
-    if cfg.actor_rollout_ref.rollout.ignore_eos:
-        raise ConfigError(f"{MULTI_TURN}.enable=true with actor_rollout_ref.rollout.ignore_eos=true: turns end at "
-                          "stop tokens (eos, the end of a tool call), which ignore_eos disables; set ignore_eos=false")
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"{MULTI_TURN}.enable=true but the tokenizer of actor_rollout_ref.model has no chat "
-                          "template: tool turns are rendered by it; use an instruct model's tokenizer "
-                          "(actor_rollout_ref.model.tokenizer_path)")
-    try:
-        tool_turn_ids(tokenizer, ["0"])
-    except Exception as err:  # noqa: BLE001 - a template error of any kind is the user's template
-        raise ConfigError(f"{MULTI_TURN}.enable=true: the tokenizer's chat template cannot append a tool turn "
-                          f"({type(err).__name__}: {str(err)[:160]}); use a template with a 'tool' role that "
-                          "renders earlier turns unchanged") from None
-    stop_id = tool_call_stop_id(tokenizer)
-    if tokenizer.eos_token_id is not None and stop_id == tokenizer.eos_token_id:
-        raise ConfigError(f"{MULTI_TURN}: {TOOL_CALL_END!r} ends in the tokenizer's eos token; turns could not "
-                          "tell a tool call from the end of the answer")
     return AgentLoop(tokenizer, mt.max_assistant_turns, mt.tool_timeout_s, mt.max_tool_response_length,
                      mt.tool_response_truncate_side, mt.tool_max_memory_mb)

@@ -40,7 +40,6 @@ same on both devices; tests/test_trainer_sglang.py records them around a real ru
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -52,9 +51,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mppo.config import ConfigError, MppoConfig
+from mppo.config import MppoConfig
 from mppo.config.lora import adapter_sync
-from mppo.models.hf_config import HFModelArgs, read_hf_config
+from mppo.models.hf_config import HFModelArgs
 from mppo.rollout.agent_loop import AgentLoop, ToolRunner
 from mppo.rollout.base import RolloutEngine, RolloutResponse, SamplingParams
 from mppo.rollout.partial import WeightSwitch, generate_partial
@@ -104,8 +103,8 @@ class RolloutLayout:
 
 def rollout_layout(engine_tp: int, *, rank: int, world: int, local_rank: int, local_world: int) -> RolloutLayout:
     """Groups of `engine_tp` consecutive ranks, never across a node (`local_world` ranks per node)."""
-    if engine_tp < 1 or local_world % engine_tp or world % local_world:
-        raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size = {engine_tp}: an engine's ranks "
+    if engine_tp < 1 or local_world % engine_tp or world % local_world:  # mppo.preflight checks the launch's
+        raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size = {engine_tp}: an engine's ranks "
                           f"must lie on one node, but it does not divide the {local_world} ranks per node (world "
                           f"{world}); use a divisor of {local_world}")
     groups = tuple(tuple(range(start, start + engine_tp)) for start in range(0, world, engine_tp))
@@ -126,72 +125,6 @@ def launch_layout(engine_tp: int, *, local_world: int | None = None) -> RolloutL
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return rollout_layout(engine_tp, rank=rank, world=world, local_rank=int(os.environ.get("LOCAL_RANK", rank)),
                           local_world=local_world)
-
-
-# ---------------------------------------------------------------------------------------------------- checks
-def check_rollout_setup(cfg: MppoConfig) -> None:
-    """What can be checked about the rollout before anything is built (trainer start-up): the config's
-    (check_rollout_config) and this machine's (check_rollout_package). Layout arithmetic is mppo.config.validate's."""
-    check_rollout_config(cfg)
-    check_rollout_package(cfg)
-
-
-def check_rollout_config(cfg: MppoConfig) -> None:
-    """The rollout checks that read only the config and the model's config.json (also `--dry-run`, `mppo plan`)."""
-    if cfg.actor_rollout_ref.rollout.name == "sglang":
-        check_sglang_serves(cfg.actor_rollout_ref.model.path)
-
-
-def check_rollout_package(cfg: MppoConfig) -> None:
-    """The engine's package and version on this machine: MissingGpuPackageError, one line naming the fix."""
-    if cfg.actor_rollout_ref.rollout.name == "sglang":
-        from mppo.rollout.sglang_protocol import installed_sglang_version
-
-        try:
-            installed_sglang_version()
-        except ImportError as exc:
-            from mppo.models.spec import MissingGpuPackageError
-
-            raise MissingGpuPackageError(f"actor_rollout_ref.rollout.name=sglang: {exc}; or use "
-                                         "actor_rollout_ref.rollout.name=cpu") from None
-
-
-def rollout_package_warning(cfg: MppoConfig) -> str | None:
-    """What check_rollout_package would refuse, as one warning line for planning on another machine than the run's
-    (a login node, a laptop): the run needs the engine, its plan does not. None when this machine has it."""
-    from mppo.models.spec import MissingGpuPackageError
-
-    try:
-        check_rollout_package(cfg)
-    except MissingGpuPackageError:
-        from mppo.rollout.sglang_protocol import INSTALL_HINT, SUPPORTED_SGLANG, sglang_version_here
-
-        version = sglang_version_here()
-        here = "SGLang is not installed here" if version is None else \
-            f"SGLang is not installed here in a version the run can use (found sglang {version})"
-        return (f"{here}; the run needs it (actor_rollout_ref.rollout.name=sglang: sglang{SUPPORTED_SGLANG}): "
-                f"{INSTALL_HINT}")
-    return None
-
-
-def check_sglang_serves(model_path: str | None) -> None:
-    """SGLang 0.5.23's Qwen3-MoE builds every layer as a MoE layer (Qwen3MoeDecoderLayer.stage_facts ignores
-    mlp_only_layers and decoder_sparse_step) and never ties its head to the embedding (tie_word_embeddings is not
-    read; the head stays unloaded): such a model would roll out wrong log-probs, so it stops here
-    (tests/test_rollout_sglang_cpu.py pins the first limitation; released Qwen3-MoE checkpoints have neither)."""
-    config = Path(model_path) / "config.json" if model_path else None
-    if config is None or not config.is_file() or json.loads(config.read_text()).get("model_type") != "qwen3_moe":
-        return
-    args = read_hf_config(config)
-    dense = [i for i in range(args.num_layers) if i not in args.moe_layers]
-    if args.moe_layers and dense:
-        raise ConfigError(f"actor_rollout_ref.rollout.name = 'sglang': the Qwen3-MoE at {model_path!r} has dense "
-                          f"layers {dense} (mlp_only_layers / decoder_sparse_step), which SGLang 0.5.23 builds as "
-                          "MoE layers (it would serve wrong log-probs); use actor_rollout_ref.rollout.name=cpu")
-    if json.loads(config.read_text()).get("tie_word_embeddings"):
-        raise ConfigError(f"actor_rollout_ref.rollout.name = 'sglang': the Qwen3-MoE at {model_path!r} ties its head "
-                          "to the embedding (tie_word_embeddings), which SGLang 0.5.23's Qwen3-MoE does not do (it "
-                          "would serve wrong log-probs); use actor_rollout_ref.rollout.name=cpu")
 
 
 # ---------------------------------------------------------------------------------------------------- engines
@@ -414,10 +347,6 @@ def build_rollout(cfg: MppoConfig, *, device: torch.device, dtype: torch.dtype, 
     `layout`: the rollout groups (None: launch_layout's of the whole launch)."""
     rollout_cfg = cfg.actor_rollout_ref.rollout
     name = rollout_cfg.name
-    if name not in ENGINE_BUILDERS:
-        raise ConfigError(f"actor_rollout_ref.rollout.name = {name!r} is not an engine; choose one of "
-                          f"{', '.join(sorted(ENGINE_BUILDERS))}")
-    check_rollout_setup(cfg)
     layout = layout or launch_layout(rollout_cfg.tensor_model_parallel_size)
     tp_group = object_group = None
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -38,13 +38,12 @@ from mppo.data.loader import PromptBatch
 from mppo.errors import UserError
 from mppo.trainer.parallel_io import ModelParallelIO
 from mppo.trainer.rollout_batch import all_gather_rows, local_rows
+from mppo.workers.batch_schema import BATCH, FILTER_METRIC
 
 log = logging.getLogger("mppo")
 
 # Rollout tensors whose second dimension is the (left-padded) prompt plus the response, or the prompt alone.
-_PROMPT_PADDED = ("input_ids", "attention_mask", "position_ids", "prompt_mask")
-# Batch key of the reward extra info value compared (metric acc / score), [B] float32; NaN: not returned.
-FILTER_METRIC = "filter_metric"
+_PROMPT_PADDED = tuple(k for k, key in BATCH.items() if key.shape in ("[B, P+T]", "[B, P]"))
 EXTRA_INFO_METRICS = ("acc", "score")
 
 

@@ -20,12 +20,12 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from mppo.errors import UserError
+from mppo.trainer.hooks import StepHook
 
 ENV_VAR = "MPPO_FAULT"
 KINDS = ("kill", "hang", "nan_loss")
@@ -110,27 +110,24 @@ def _say(rank: int, text: str) -> None:
     os.write(2, f"mppo: fault injection [rank {rank}]: {text}\n".encode())
 
 
-class FaultInjector:
-    """The faults of this rank; the fit loop calls its hooks at phase entries, checkpoint points and updates."""
+class FaultInjector(StepHook):
+    """The faults of this rank, a step hook of the fit loop: at phase entries, checkpoint points and updates."""
 
     def __init__(self, faults: list[Fault], rank: int) -> None:
         self.rank = rank
         self.faults = [f for f in faults if f.rank is None or f.rank == rank]
 
-    def at_phase(self, phase: str, step: int) -> None:
+    def on_phase(self, name: str, step: int) -> None:
         for fault in self.faults:
-            if fault.phase == phase and fault.matches_step(step):
+            if fault.phase == name and fault.matches_step(step):
                 self._fire(fault, step)
 
-    def checkpoint_hook(self, step: int) -> Callable[[str], None]:
-        """The `fault_hook` for CheckpointManager.save of `step`."""
-        def hook(point: str) -> None:
-            for fault in self.faults:
-                if fault.checkpoint == point and fault.matches_step(step):
-                    self._fire(fault, step)
-        return hook
+    def at_checkpoint(self, step: int, point: str) -> None:
+        for fault in self.faults:
+            if fault.checkpoint == point and fault.matches_step(step):
+                self._fire(fault, step)
 
-    def poison_update_inputs(self, batch: dict[str, torch.Tensor], step: int) -> None:
+    def before_update(self, step: int, batch: dict[str, torch.Tensor], data: dict[str, torch.Tensor]) -> None:
         """nan_loss: NaN advantages (actor loss) and returns (critic loss), as a bad batch would give."""
         if any(f.kind == "nan_loss" and f.matches_step(step) for f in self.faults):
             _say(self.rank, f"nan_loss at step {step}")

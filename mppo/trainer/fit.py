@@ -3,9 +3,12 @@
     weights → engine ─► rollout (n per prompt) ─► reward ─► old log-probs ─► ref log-probs ─► values
         ─► KL penalty in the reward ─► advantages ─► critic update ─► actor update ─► metrics, val, checkpoint
 
-The loop decides nothing: what a config implies (which models exist, whether the update's own forward supplies the
-old log-probs, micro-batch sizes) is decided in mppo.config.decisions, shared with `mppo plan`, and what it rejects
-in mppo.config.validate, shared with `mppo train --dry-run`.
+The loop decides nothing: what a config implies (which models exist, where the old log-probs come from, micro-batch
+sizes) is decided in mppo.config.decisions, shared with `mppo plan`; what it rejects is checked before it starts, by
+mppo.config.validate (the config) and mppo.preflight (the machine and the files), as `mppo train --dry-run` does.
+What runs beside the PPO math (the generation dump, fault injection) are step hooks (mppo.trainer.hooks); what an
+estimator alone needs of each generation batch (ReMax's baselines) is its input provider
+(mppo.trainer.estimator_inputs); the batch's keys are declared in mppo.workers.batch_schema.
 
 Every rank runs this same program (SPMD). Rollout goes through mppo.rollout.factory's `Rollout` (engines on
 rollout groups independent of the trainer's layout, and the memory choreography around generation); the trainer
@@ -20,16 +23,17 @@ import collections
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from mppo import core_algos
+from mppo import core_algos, preflight
 from mppo.config import MppoConfig, to_yaml
 from mppo.config.validate_async import engine_world
-from mppo.config.decisions import old_log_prob_micro_batch, old_log_prob_pass, old_log_prob_reuse, old_log_prob_source
+from mppo.config.decisions import (OldLogProbSource, describe_old_log_prob_source, old_log_prob_micro_batch,
+                                   old_log_prob_source)
 from mppo.data.loader import PromptBatch
 from mppo.errors import UserError
 from mppo.parallel import collective_device
@@ -38,27 +42,27 @@ from mppo.rewards.manager import reward_function_name
 from mppo.rollout.agent_loop import build_agent_loop
 from mppo.rollout.base import SamplingParams
 from mppo.rollout.factory import Rollout
-from mppo.trainer import components, faults, offpolicy, remax, response_shaping, roles, rollout_correction, validation
-from mppo.trainer.dynamic_sampling import FILTER_METRIC, DynamicSampler, reward_extra_key
-from mppo.trainer.metrics import (UNREJECTED_MASK, MetricsLogger, StepTimer, compute_data_metrics, perf_metrics,
+from mppo.trainer import (components, estimator_inputs, faults, offpolicy, response_shaping, roles,
+                          rollout_correction, validation)
+from mppo.trainer.dynamic_sampling import DynamicSampler, reward_extra_key
+from mppo.trainer.metrics import (MetricsLogger, StepTimer, compute_data_metrics, perf_metrics,
                                   plot_metrics, tool_call_metrics)
 from mppo.trainer.model_flops import ppo_step_flops
 from mppo.trainer.parallel_io import ModelParallelIO
 from mppo.trainer.resume import open_checkpoints
 from mppo.trainer.rollout_batch import all_gather_rows, build_rollout_batch, local_rows
-from mppo.trainer.rollout_dump import DUMP_INPUTS, dump_generations
+from mppo.trainer.hooks import GenerationDump, StepHooks
 from mppo.trainer.watchdog import StallWatchdog, process_group_timeout_s, tie_checkpoint_helpers_to_rank
+from mppo.workers.batch_schema import FILTER_METRIC, UNREJECTED_MASK, read_by
 
 log = logging.getLogger("mppo")
 
 Batch = dict[str, torch.Tensor]
 
-# Tensors gathered over DP so advantages see the whole global batch.
-_ADV_INPUTS = ("token_level_rewards", "old_log_probs", "values", "response_mask", "uid", "rollout_log_probs",
-               "reward_baselines", "sum_pi_squared", "responses")
+# Tensors gathered over DP so the KL penalty and advantages see the whole global batch (mppo.workers.batch_schema)
+_KL_INPUTS, _ADV_INPUTS = read_by("kl_penalty"), read_by("advantages")
 # ... and so the step's data metrics do (taken before anything can change the update's inputs).
-_METRIC_INPUTS = ("token_level_scores", "token_level_rewards", "advantages", "returns", "values", "response_mask",
-                  UNREJECTED_MASK, "prompt_mask", "num_tool_calls")
+_METRIC_INPUTS = read_by("metrics")
 
 
 class NonFiniteUpdatesError(UserError, FloatingPointError):
@@ -80,10 +84,9 @@ class PPOTrainer:
         from mppo.parallel import init_distributed
 
         self.cfg, mcfg = cfg, cfg.actor_rollout_ref.actor.megatron
-        components.check_startup(cfg)  # bad input stops the run here, in seconds: before megatron is imported
+        preflight.check_run(cfg)  # bad input stops the run here, in seconds: before megatron is imported
         self.data = components.build_data(cfg)
         self.agent = build_agent_loop(cfg, self.data.tokenizer)  # rollout.multi_turn (None: single-turn)
-        self.faults = faults.from_env()  # None unless MPPO_FAULT is set (tests)
         self.dims = init_distributed(mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size,
                                      mcfg.virtual_pipeline_model_parallel_size, ep=mcfg.expert_model_parallel_size,
                                      etp=mcfg.expert_tensor_parallel_size, cp=mcfg.context_parallel_size,
@@ -96,11 +99,11 @@ class PPOTrainer:
         tie_checkpoint_helpers_to_rank()  # no orphan processes when this rank is killed
         self.ckpt, self.resume_from = open_checkpoints(cfg, self.dims)  # before the models: a wrong one stops here
         self.total_steps = _total_steps(cfg, len(self.data.train_loader))
-        self.reuse_old_log_prob, self.old_log_prob_pass = old_log_prob_reuse(cfg)[0], old_log_prob_pass(cfg)
-        if self.is_main and old_log_prob_source(cfg):
-            log.info("old log-probs: %s", old_log_prob_source(cfg))
+        self.old_log_prob_source = old_log_prob_source(cfg)
+        if self.is_main and describe_old_log_prob_source(cfg):
+            log.info("old log-probs: %s", describe_old_log_prob_source(cfg))
         self.rollout_corr = rollout_correction.RolloutCorrector(cfg, self.io.dp_group,
-                                                                reuse_old_log_prob=self.reuse_old_log_prob)
+                                                                old_log_prob_source=self.old_log_prob_source)
         models = roles.build_roles(cfg, self.dims, total_steps=self.total_steps,
                                    rollout_correction=self.rollout_corr.params)
         self.actor, self.critic, self.ref, self.trainer_state = models
@@ -114,9 +117,12 @@ class PPOTrainer:
         self.pipeline = offpolicy.PipelineMetrics()
         self.train_sampling = components.train_sampling(cfg, self.data.tokenizer)
         self.val_sampling = components.val_sampling(cfg, self.data.tokenizer)
-        # What the estimator declared it needs beyond rewards and mask (validation checked they can be produced).
-        self.estimator_needs = core_algos.estimator_spec(cfg.algorithm.adv_estimator).needs
+        # what the estimator needs of each generation batch beyond its rewards (ReMax's greedy baselines)
+        self.reward_inputs = estimator_inputs.reward_stage_providers(
+            core_algos.estimator_spec(cfg.algorithm.adv_estimator).needs, rollout_batch=self.rollout_batch,
+            reward=self.reward, sampling=self.train_sampling)
         self.dynamic_sampler = self._dynamic_sampler() if cfg.algorithm.filter_groups.enable else None
+        self.hooks = self._step_hooks()
         self.metrics = MetricsLogger(self.run_dir, cfg.trainer.logger, enabled=self.is_main,
                                      project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name)
         self.step = self.consecutive_skips = self.skipped_steps = self.consecutive_failed_rewards = 0
@@ -124,6 +130,16 @@ class PPOTrainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+
+    def _step_hooks(self) -> StepHooks:
+        """The generation dump (trainer.rollout_data_dir) and, in tests, fault injection (MPPO_FAULT): in that
+        order, so the dump has the step's real data."""
+        hooks = []
+        if self.cfg.trainer.rollout_data_dir:
+            hooks.append(GenerationDump(self.cfg.trainer.rollout_data_dir, self.data.tokenizer, is_main=self.is_main,
+                                        gather_global=self.gather_global))
+        injector = faults.from_env()  # None unless MPPO_FAULT is set
+        return StepHooks(hooks + ([injector] if injector is not None else []))
 
     def _dynamic_sampler(self) -> DynamicSampler:
         return DynamicSampler(self.cfg, self.io, dataset_size=len(self.data.train_loader.dataset),
@@ -170,9 +186,8 @@ class PPOTrainer:
                  "kl_ctrl": self.kl_ctrl.state_dict(), "skipped_steps": self.skipped_steps,
                  "consecutive_skips": self.consecutive_skips,
                  "consecutive_failed_rewards": self.consecutive_failed_rewards}
-        fault_hook = self.faults.checkpoint_hook(self.step) if self.faults else None
         with self.watchdog.phase("save_checkpoint", self.step):
-            path = self.ckpt.save(self.step, writers, state, fault_hook=fault_hook)
+            path = self.ckpt.save(self.step, writers, state, fault_hook=self.hooks.checkpoint_points(self.step))
         log.info("checkpoint written: %s", path)
 
     # ------------------------------------------------------------------------------------------------ one step
@@ -188,26 +203,16 @@ class PPOTrainer:
             with self.phase(timer, "weight_sync"):
                 metrics.update(self.sync_weights())
             with self.phase(timer, "gen"):
-                batch, rows = self.rollout_batch(prompts, 0, self.train_sampling)
-                self.train_reward(batch, rows, prompts, 0)
-                if self.dynamic_sampler is not None:  # DAPO: more generation batches until enough groups have signal
-                    batch, sampling_metrics = self.dynamic_sampler.collect(batch, more_prompts, step=self.step + 1)
-                    metrics.update(sampling_metrics)
-                self.rollout.release()
+                batch = self.generate_and_reward(prompts, more_prompts, metrics)
             batch_record = getattr(self.rollout, "last_record", None)
-            for ahead, upcoming in enumerate(next_prompts, start=1):  # generated while this step trains
-                self.rollout.prefetch(offpolicy.prompt_ids(upcoming.input_ids, upcoming.attention_mask),
-                                      self.train_sampling, step=self.step + ahead)
+            self.prefetch(next_prompts)  # the off-policy pipeline: generated while this step trains
             gen_done = time.time()
-            if self.rollout_corr.bypass:  # rollout correction's bypass mode: the engine's log-probs are the old ones
+            if self.old_log_prob_source is OldLogProbSource.ROLLOUT:  # bypass mode: the engine's are the old ones
                 batch["old_log_probs"] = batch["rollout_log_probs"]
-            elif self.old_log_prob_pass:  # else the actor update's own forward supplies them (on-policy reuse)
+            elif self.old_log_prob_source is OldLogProbSource.ACTOR_PASS:  # (UPDATE_FORWARD: the update's forward)
                 with self.phase(timer, "old_log_prob"):
                     self.compute_old_log_probs(batch, temperature)
-                metrics.update(rollout_correction.mismatch_metrics(batch, self.io.dp_group))
-                if "rollout_token_versions" in batch:  # partial rollouts
-                    keys = ("rollout_log_probs", "old_log_probs", "response_mask", "rollout_token_versions")
-                    metrics.update(offpolicy.partial_rollout_metrics(self.gather_global(batch, keys), self.step))
+                metrics.update(self.rollout_mismatch_metrics(batch))
             if self.ref is not None:
                 with self.phase(timer, "ref"):
                     batch["ref_log_prob"] = self.ref.compute_log_prob(batch, temperature=temperature)
@@ -217,19 +222,18 @@ class PPOTrainer:
             with self.phase(timer, "adv"):
                 metrics.update(self.kl_penalty(batch))
                 metrics.update(self.compute_advantages(batch))
-            data = self.gather_global(batch, _METRIC_INPUTS)  # before fault injection can poison the update's inputs
-            if self.cfg.trainer.rollout_data_dir:
-                with self.phase(timer, "dump_generations"):
-                    self.dump_generations(batch, data)
-            if self.faults:
-                self.faults.poison_update_inputs(batch, self.step + 1)
+            data = self.gather_global(batch, _METRIC_INPUTS)  # before a hook can change the update's inputs
+            for hook in self.hooks:  # the generation dump, fault injection (mppo.trainer.hooks)
+                with self.phase(timer, hook.phase) if hook.phase else nullcontext():
+                    hook.before_update(self.step + 1, batch, data)
             if self.critic is not None:
                 with self.phase(timer, "update_critic"):
                     metrics.update(_update_metrics("critic", self.critic.update(batch)))
             if self.step >= self.cfg.trainer.critic_warmup:
                 with self.phase(timer, "update_actor"):
                     metrics.update(_update_metrics("actor", self.actor.update(
-                        batch, temperature=temperature, old_log_prob_from_update=self.reuse_old_log_prob)))
+                        batch, temperature=temperature,
+                        old_log_prob_from_update=self.old_log_prob_source is OldLogProbSource.UPDATE_FORWARD)))
                 metrics.update(self.rollout_corr.after_update(batch, self.actor.forward_log_probs))
         with self.watchdog.phase("metrics", self.step + 1):
             metrics.update(self._step_metrics(data, batch, timer))
@@ -241,29 +245,30 @@ class PPOTrainer:
                                                   step_start=step_start, gen_done=gen_done, step_end=time.time()))
         return metrics
 
+    def generate_and_reward(self, prompts: PromptBatch, more_prompts: Callable[[], PromptBatch] | None,
+                            metrics: dict[str, float]) -> Batch:
+        """This DP rank's rows of the step's rollout, rewarded; with dynamic sampling (DAPO) more generation
+        batches until enough groups have signal. The engines are released after."""
+        batch, rows = self.rollout_batch(prompts, 0, self.train_sampling)
+        self.train_reward(batch, rows, prompts, 0)
+        if self.dynamic_sampler is not None:
+            batch, sampling_metrics = self.dynamic_sampler.collect(batch, more_prompts, step=self.step + 1)
+            metrics.update(sampling_metrics)
+        self.rollout.release()
+        return batch
+
+    def prefetch(self, next_prompts: Sequence[PromptBatch]) -> None:
+        """Ask the engines for the next steps' generations (the off-policy pipeline; none asked twice)."""
+        for ahead, upcoming in enumerate(next_prompts, start=1):
+            self.rollout.prefetch(offpolicy.prompt_ids(upcoming.input_ids, upcoming.attention_mask),
+                                  self.train_sampling, step=self.step + ahead)
+
     @contextmanager
     def phase(self, timer: StepTimer, name: str) -> Iterator[None]:
         """A timed phase of the step being computed, under the stall watchdog (and MPPO_FAULT, when set)."""
         with self.watchdog.phase(name, self.step + 1), timer.phase(name):
-            if self.faults:
-                self.faults.at_phase(name, self.step + 1)
+            self.hooks.on_phase(name, self.step + 1)
             yield
-
-    def dump_generations(self, batch: Batch, data: Batch) -> None:
-        """trainer.rollout_data_dir: the step's generations as JSON lines, written by rank 0 (a collective).
-        `data`: what the step's metrics already gathered; only the rest of DUMP_INPUTS is gathered here."""
-        full = {**data, **self.gather_global(batch, tuple(k for k in DUMP_INPUTS if k not in data))}
-        if not self.is_main:
-            return
-        out_dir = Path(self.cfg.trainer.rollout_data_dir)
-        try:
-            dump_generations(out_dir, self.step + 1, full, self.data.tokenizer)
-        except OSError as e:  # a full disk or a bad path costs the dump, not the run (the other ranks wait on us)
-            log.warning("step %d: could not write generations to %s (trainer.rollout_data_dir): %s", self.step + 1,
-                        out_dir, e)
-            return
-        if self.step == 0:
-            log.info("generations of each step go to %s (trainer.rollout_data_dir)", out_dir)
 
     def sync_weights(self) -> dict[str, float]:
         """Actor weights → every engine, resharded to HF layout and streamed in buckets; then trainer state offload
@@ -310,17 +315,22 @@ class PPOTrainer:
         ReMax's greedy baselines when the estimator needs them."""
         self.reward(batch, rows, reward_extra_key(self.cfg))
         response_shaping.shape_scores(self.cfg, batch)
-        if "reward_baselines" in self.estimator_needs:
-            greedy, greedy_rows = self.rollout_batch(prompts, first_index,
-                                                     remax.greedy_baseline_sampling(self.train_sampling))
-            self.reward(greedy, greedy_rows)
-            batch["reward_baselines"] = remax.reward_baselines(greedy["token_level_scores"], self.train_sampling.n)
+        for provide in self.reward_inputs:  # what the estimator needs of each generation batch (mppo.trainer.
+            provide(batch, prompts, first_index)  # estimator_inputs: ReMax's greedy baselines)
 
     def generation_batch(self, prompts: PromptBatch, first_index: int) -> Batch:
         """A further generation batch of dynamic sampling: rolled out and rewarded, as the step's first."""
         batch, rows = self.rollout_batch(prompts, first_index, self.train_sampling)
         self.train_reward(batch, rows, prompts, first_index)
         return batch
+
+    def rollout_mismatch_metrics(self, batch: Batch) -> dict[str, float]:
+        """The engine's log-probs against the actor's old ones (and, under partial rollouts, per weight version)."""
+        metrics = rollout_correction.mismatch_metrics(batch, self.io.dp_group)
+        if "rollout_token_versions" in batch:
+            keys = ("rollout_log_probs", "old_log_probs", "response_mask", "rollout_token_versions")
+            metrics.update(offpolicy.partial_rollout_metrics(self.gather_global(batch, keys), self.step))
+        return metrics
 
     def compute_old_log_probs(self, batch: Batch, temperature: float) -> None:
         """`old_log_probs` (and `sum_pi_squared` when the estimator needs it) from the actor before its update."""
@@ -342,7 +352,7 @@ class PPOTrainer:
         if not self.cfg.algorithm.use_kl_in_reward:
             batch["token_level_rewards"] = batch["token_level_scores"]
             return {}
-        full = self.gather_global(batch, ("token_level_scores", "old_log_probs", "ref_log_prob", "response_mask"))
+        full = self.gather_global(batch, _KL_INPUTS)
         rewards, metrics = core_algos.apply_kl_penalty(
             full["token_level_scores"], full["old_log_probs"], full["ref_log_prob"], full["response_mask"],
             self.kl_ctrl, kl_penalty=self.cfg.algorithm.kl_penalty)
@@ -384,7 +394,8 @@ class PPOTrainer:
         # the last step's count, read by `mppo bench step`
         self.step_flops = ppo_step_flops(self.actor.hf_args, prompt_tokens=num_tokens - response_tokens,
                                          response_tokens=response_tokens, use_critic=self.critic is not None,
-                                         use_ref=self.ref is not None, old_log_prob_pass=self.old_log_prob_pass)
+                                         use_ref=self.ref is not None,
+                                         old_log_prob_pass=self.old_log_prob_source is OldLogProbSource.ACTOR_PASS)
         metrics.update(perf_metrics(num_tokens=num_tokens, step_seconds=timer.seconds["step"],
                                     world_size=self.dims.world + engine_world(self.cfg), flops=self.step_flops,
                                     device=self.device))

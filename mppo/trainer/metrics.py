@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from mppo.workers.batch_schema import UNREJECTED_MASK
+
 log = logging.getLogger("mppo")
 
 
@@ -27,11 +29,6 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
         return {}
     return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(),
             f"{prefix}/min": values.min().item()}
-
-
-# The response mask as generated, when rollout rejection has changed `response_mask` (lengths are of what was
-# generated: veRL reads them off attention_mask).
-UNREJECTED_MASK = "response_mask_before_rejection"
 
 
 def compute_data_metrics(batch: dict[str, torch.Tensor], *, max_response_length: int,

@@ -57,9 +57,12 @@ def start_side(cfg: MppoConfig) -> Side | None:
 
 
 def run_engine_side(cfg: MppoConfig, side: Side) -> int:
+    """The engine ranks' program; their machine is checked as the trainer ranks check theirs (mppo.preflight)."""
+    from mppo import preflight
     from mppo.rollout.remote import serve_engine
 
     assert side.role == ENGINE
+    preflight.check_run(cfg)
     return serve_engine(cfg, side, run_dir=Path(cfg.trainer.default_local_dir))
 
 

@@ -16,7 +16,7 @@ import torch
 
 from mppo.config import MppoConfig
 from mppo.rewards.overlong import apply_overlong_penalty, overlong_penalty, truncated_responses
-from mppo.trainer.metrics import UNREJECTED_MASK
+from mppo.workers.batch_schema import UNREJECTED_MASK
 
 log = logging.getLogger("mppo")
 

@@ -9,7 +9,7 @@ from typing import Any
 from mppo.config import MppoConfig
 from mppo.parallel import ParallelDims
 from mppo.trainer.checkpoint import CheckpointInfo, CheckpointManager
-from mppo.trainer.components import model_facts
+from mppo.models.hf_config import model_facts
 
 # Keys a resumed run may change without changing what it computes.
 RESUME_FREE = ("trainer.total_epochs", "trainer.total_training_steps", "trainer.save_freq", "trainer.test_freq",

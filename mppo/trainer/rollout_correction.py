@@ -25,11 +25,12 @@ import logging
 import torch
 import torch.distributed as dist
 
-from mppo.config.decisions import off_policy_update
+from mppo.config.decisions import OldLogProbSource, off_policy_update
 from mppo.config.schema import MppoConfig, RolloutCorrectionConfig
 from mppo.core_algos import RolloutCorrectionParams, compute_rollout_correction_and_rejection_mask
-from mppo.trainer.metrics import UNREJECTED_MASK, rollout_mismatch_metrics
+from mppo.trainer.metrics import rollout_mismatch_metrics
 from mppo.trainer.rollout_batch import all_gather_rows
+from mppo.workers.batch_schema import UNREJECTED_MASK
 
 log = logging.getLogger("mppo")
 
@@ -58,13 +59,15 @@ def mismatch_metrics(batch: dict[str, torch.Tensor], dp_group: dist.ProcessGroup
 class RolloutCorrector:
     """algorithm.rollout_correction for one run (every method is collective over DP or works on gathered data)."""
 
-    def __init__(self, cfg: MppoConfig, dp_group: dist.ProcessGroup | None, *, reuse_old_log_prob: bool):
+    def __init__(self, cfg: MppoConfig, dp_group: dist.ProcessGroup | None, *, old_log_prob_source: OldLogProbSource):
         self.params = correction_params(cfg.algorithm.rollout_correction)
         self.dp_group = dp_group
         self.bypass = self.params.bypass_mode
         # the update's forward has the rollout's weights: its log-probs are the old ones
         self.on_policy = not off_policy_update(cfg)
-        self.metrics_after_update = self.bypass or reuse_old_log_prob
+        # the update's forward log-probs are compared with the engine's when no separate pass was: on-policy reuse
+        # (they are the old ones) and bypass mode (pi_theta at each row's first forward)
+        self.metrics_after_update = old_log_prob_source is not OldLogProbSource.ACTOR_PASS
         if self.bypass and not self.on_policy:
             log.info("rollout correction bypass mode with an off-policy update (%s): no training/rollout_probs_* "
                      "metrics (the update's forwards do not all have the rollout's weights)", off_policy_update(cfg))

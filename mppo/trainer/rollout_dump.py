@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
+from mppo.workers.batch_schema import read_by
+
 # The tensors a dump reads, gathered over DP before it is written.
-DUMP_INPUTS = ("input_ids", "attention_mask", "prompt_mask", "responses", "token_level_scores", "uid",
-               "num_tool_calls")
+DUMP_INPUTS = read_by("dump")
 
 
 def dump_generations(out_dir: Path, step: int, batch: dict[str, torch.Tensor], tokenizer) -> Path:

@@ -31,8 +31,8 @@ from typing import Iterator
 import torch
 
 from mppo.config.schema import ActorConfig, ModelConfig
-from mppo.core_algos import (AGG_LOSS_MODES, KL_PENALTY_TYPES, PolicyLossParams, RolloutCorrectionParams, agg_loss,
-                              compute_policy_loss_bypass_mode, get_policy_loss_fn, kl_penalty)
+from mppo.core_algos import (PolicyLossParams, RolloutCorrectionParams, agg_loss, compute_policy_loss_bypass_mode,
+                              get_policy_loss_fn, kl_penalty)
 from mppo.models.weights import bucketed, iter_hf_weights
 from mppo.parallel import ParallelDims
 from mppo.workers.base import StepMetrics, as_float64, build_role_model, share_of
@@ -91,10 +91,6 @@ class ActorWorker:
                  total_steps: int, rollout_n: int = 1, rollout_correction: RolloutCorrectionParams | None = None):
         """`rollout_correction` with bypass_mode: the update's loss is rollout correction's bypass loss (the batch's
         old_log_probs are then the engine's); otherwise it is not used here (the trainer applies it)."""
-        if actor_cfg.loss_agg_mode not in AGG_LOSS_MODES:
-            raise ValueError(f"actor.loss_agg_mode must be one of {AGG_LOSS_MODES}, got {actor_cfg.loss_agg_mode!r}")
-        if actor_cfg.use_kl_loss and actor_cfg.kl_loss_type not in KL_PENALTY_TYPES:
-            raise ValueError(f"actor.kl_loss_type must be one of {KL_PENALTY_TYPES}, got {actor_cfg.kl_loss_type!r}")
         self.cfg, self.dims = actor_cfg, dims
         self.policy_loss_fn = get_policy_loss_fn(actor_cfg.policy_loss.loss_mode)
         self.policy_params = policy_loss_params(actor_cfg)

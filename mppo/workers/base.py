@@ -15,7 +15,7 @@ from mppo.models.builders import Role, build_gpt_model, unwrap_model
 from mppo.models.hf_config import HFModelArgs, read_hf_config
 from mppo.models.lora import apply_lora, lora_spec
 from mppo.models.weights import load_hf_weights
-from mppo.parallel import ParallelDims, ParallelLayoutError
+from mppo.parallel import ParallelDims
 from mppo.workers.batching import Batch
 from mppo.workers.moe_losses import moe_loss_overrides
 from mppo.workers.router_replay import router_replay_overrides
@@ -27,40 +27,18 @@ def resolve_dtype(model_cfg: ModelConfig, dims: ParallelDims) -> torch.dtype:
     """Parameter dtype: `model.dtype`, where auto = bf16 on CUDA and fp32 on CPU."""
     if model_cfg.dtype == "auto":
         return torch.bfloat16 if dims.device.type == "cuda" else torch.float32
-    if model_cfg.dtype not in _DTYPES:
-        raise ValueError(f"model.dtype must be auto, fp32 or bf16, got {model_cfg.dtype!r}")
     return _DTYPES[model_cfg.dtype]
 
 
-def check_layout(megatron: MegatronConfig, dims: ParallelDims, role: str) -> None:
-    """The role's megatron layout must be the one the process groups were built with (None = not set)."""
-    wanted = {"tensor_model_parallel_size": (megatron.tensor_model_parallel_size, dims.tp),
-              "pipeline_model_parallel_size": (megatron.pipeline_model_parallel_size, dims.pp),
-              "virtual_pipeline_model_parallel_size": (megatron.virtual_pipeline_model_parallel_size, dims.vpp),
-              "expert_model_parallel_size": (megatron.expert_model_parallel_size, dims.ep),
-              "expert_tensor_parallel_size": (megatron.expert_tensor_parallel_size, dims.expert_tp),
-              "context_parallel_size": (megatron.context_parallel_size, dims.cp)}
-    for key, (configured, actual) in wanted.items():
-        if key.startswith("virtual") and configured in (None, 1) and actual is None:
-            continue
-        if configured is not None and configured != actual:
-            raise ParallelLayoutError(
-                f"{role}.megatron.{key}={configured} but the process groups were built with {actual}; "
-                "every role must use the layout passed to mppo.parallel.init_distributed")
-
-
-def recompute_overrides(recompute: str | None, device: torch.device) -> dict:
-    """TransformerConfig keyword arguments for `megatron.recompute` (none | selective | full)."""
+def recompute_overrides(recompute: str | None) -> dict:
+    """TransformerConfig keyword arguments for `megatron.recompute` (none | selective | full; on CUDA only:
+    mppo.preflight.check_recompute)."""
     if recompute in (None, "none"):
         return {}
-    if recompute in ("selective", "full") and device.type != "cuda":
-        raise ValueError(f"megatron.recompute={recompute} needs CUDA: megatron-core's activation checkpointing "
-                         "saves and restores CUDA RNG states; use megatron.recompute=none on CPU")
     if recompute == "selective":  # the attention core only (megatron's default selective module)
         return {"recompute_granularity": "selective"}
-    if recompute == "full":  # whole layers, one at a time
-        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-    raise ValueError(f"megatron.recompute must be none, selective or full, got {recompute!r}")
+    # full: whole layers, one at a time
+    return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
 def build_role_model(hf_dir: str | Path, dims: ParallelDims, *, role: Role, model_cfg: ModelConfig,
@@ -70,13 +48,12 @@ def build_role_model(hf_dir: str | Path, dims: ParallelDims, *, role: Role, mode
     `lora_seed`: the actor's seed, for its LoRA adapters' initial A. The caller reads it from the actor's own
     section: read here from `megatron` (MegatronConfig, also the reference's and critic's type), the config-key
     scan (tests/test_config_keys_read.py) would count their inert `megatron.seed` as read too."""
-    check_layout(megatron, dims, role)
     args = read_hf_config(hf_dir)
     dtype = resolve_dtype(model_cfg, dims)
     losses = moe_loss_overrides(megatron, is_moe=args.is_moe) if role != "ref" else {}
     chunks = build_gpt_model(args, dims, role=role, dtype=dtype, transformer_impl=model_cfg.transformer_impl,
                              sequence_parallel=uses_sequence_parallel(megatron) and dims.tp > 1,
-                             **recompute_overrides(megatron.recompute, dims.device), **losses,
+                             **recompute_overrides(megatron.recompute), **losses,
                              **router_replay_overrides(router_replay, is_moe=args.is_moe))
     load_hf_weights(chunks, hf_dir, args)
     if role == "actor" and model_cfg.lora.rank > 0:  # LoRA: the base frozen, adapters trained (mppo.models.lora)

@@ -1,11 +1,11 @@
 """The workers' data contract (a veRL DataProto-like dict of tensors per DP rank) and how it is cut into
 mini-batches and micro-batches for megatron's pipeline schedules.
 
-Batch layout (B rows, P prompt columns, T response columns):
+Batch layout (B rows, P prompt columns, T response columns; mppo.workers.batch_schema declares every key):
   input_ids, attention_mask, position_ids  [B, P+T]  left-padded prompt ++ right-padded response
   responses, response_mask                 [B, T]    responses == input_ids[:, P:]
-  update inputs, all [B, T]: old_log_probs, advantages (actor); values, returns (critic); ref_log_prob,
-  rollout_is_weights (optional).
+  update inputs, all [B, T] (UPDATE_KEYS): old_log_probs, advantages (actor); values, returns (critic);
+  ref_log_prob, rollout_is_weights (optional).
   routed_experts [B, P+T, MoE layers, top_k] (optional): the rollout engine's experts of each token, which the
   actor replays (mppo.workers.router_replay); compacted into micro-batches like input_ids.
 Log-probs and values are about the T response columns only.
@@ -26,14 +26,16 @@ import torch
 import torch.distributed as dist
 
 from mppo.core_algos import GlobalBatchInfo
+from mppo.workers.batch_schema import BATCH, ROUTES_KEY, read_by
 
 Batch = Mapping[str, torch.Tensor]
 
-SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
-RESPONSE_KEYS = ("responses", "response_mask")
+# What every worker pass needs (mppo.workers.batch_schema declares each key): [B, P+T] and [B, T] tensors
+_REQUIRED = tuple(k for k in read_by("workers") if BATCH[k].when == "always")
+SEQUENCE_KEYS = tuple(k for k in _REQUIRED if BATCH[k].shape == "[B, P+T]")
+RESPONSE_KEYS = tuple(k for k in _REQUIRED if BATCH[k].shape == "[B, T]")
 # Optional [B, T] inputs of the updates, carried into micro-batches when present.
-UPDATE_KEYS = ("old_log_probs", "advantages", "values", "returns", "ref_log_prob", "rollout_is_weights")
-ROUTES_KEY = "routed_experts"  # optional [B, P+T, MoE layers, top_k], by input_ids column
+UPDATE_KEYS = read_by("update")
 
 
 class BatchError(ValueError):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from mppo.config.schema import CriticConfig, ModelConfig
-from mppo.core_algos import AGG_LOSS_MODES, compute_value_loss, masked_mean
+from mppo.core_algos import compute_value_loss, masked_mean
 from mppo.models.weights import bucketed, iter_hf_weights
 from mppo.parallel import ParallelDims
 from mppo.parallel.context_parallel import sum_over_cp
@@ -65,9 +65,6 @@ class CriticWorker:
 
     def __init__(self, model_cfg: ModelConfig, critic_cfg: CriticConfig, dims: ParallelDims, hf_dir: str | Path,
                  *, total_steps: int, rollout_n: int = 1):
-        if critic_cfg.loss_agg_mode not in AGG_LOSS_MODES:
-            raise ValueError(f"critic.loss_agg_mode must be one of {AGG_LOSS_MODES}, got "
-                             f"{critic_cfg.loss_agg_mode!r} (resolve the config so that null takes the actor's)")
         self.cfg, self.dims = critic_cfg, dims
         megatron = critic_cfg.megatron
         self.hf_args, chunks, self.dtype = build_role_model(hf_dir, dims, role="critic", model_cfg=model_cfg,

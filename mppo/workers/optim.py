@@ -62,8 +62,6 @@ def wrap_with_ddp(chunks: Sequence[nn.Module], *, use_distributed_optimizer: boo
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    if overlap_param_gather and not (use_distributed_optimizer and overlap_grad_reduce):
-        raise ValueError("overlap_param_gather needs the distributed optimizer and overlap_grad_reduce")
     interleaved = len(chunks) > 1
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,  # bf16 params: accumulate and reduce gradients in fp32
@@ -107,12 +105,6 @@ def build_optimizer(ddp_chunks: Sequence[nn.Module], optim: OptimConfig, *, use_
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    if dtype == torch.float16:
-        raise ValueError("fp16 training is not supported (no loss scaling); use bf16 or fp32")
-    if optim.lr <= 0:
-        raise ValueError(f"optim.lr must be > 0, got {optim.lr}")
-    if len(optim.betas) != 2:
-        raise ValueError(f"optim.betas must be [beta1, beta2], got {optim.betas}")
     config = OptimizerConfig(
         optimizer="adam",
         lr=optim.lr,
@@ -149,8 +141,6 @@ def build_lr_scheduler(optimizer, optim: OptimConfig, total_steps: int):
 
     if total_steps < 1:
         raise ValueError(f"total_steps must be >= 1 (the trainer's number of PPO steps), got {total_steps}")
-    if optim.lr_scheduler not in ("constant", "cosine"):
-        raise ValueError(f"optim.lr_scheduler must be 'constant' or 'cosine', got {optim.lr_scheduler!r}")
     warmup = warmup_steps(optim, total_steps)
     if warmup >= total_steps and optim.lr_scheduler == "cosine":
         raise ValueError(f"{warmup} warm-up steps leave no room for a cosine decay over {total_steps} steps; "

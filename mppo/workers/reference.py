@@ -75,10 +75,7 @@ class ReferenceWorker:
         if micro_batch_size is None and max_token_len is None:
             max_token_len = self.max_token_len
         if micro_batch_size is None and max_token_len is None:
-            micro_batch_size = self.cfg.log_prob_micro_batch_size_per_gpu
-            if micro_batch_size is None:
-                raise ValueError("ref.log_prob_micro_batch_size_per_gpu is not set; resolve the config or pass "
-                                 "micro_batch_size / max_token_len")
+            micro_batch_size = self.cfg.log_prob_micro_batch_size_per_gpu  # resolved: the actor's when null
         batch = {k: v.to(self.dims.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
         base = adapters_disabled(self.model) if self.shares_actor else contextlib.nullcontext()
         with torch.no_grad(), self._on_device(), base:

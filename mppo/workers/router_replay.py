@@ -26,7 +26,6 @@ from typing import Iterator, Mapping
 import torch
 from torch import nn
 
-from mppo.config.schema import ConfigError
 from mppo.errors import UserError
 from mppo.models.builders import unwrap_model
 from mppo.workers.batching import ROUTES_KEY
@@ -40,9 +39,7 @@ def router_replay_overrides(mode: str, *, is_moe: bool) -> dict:
     """TransformerConfig kwargs of the actor for `router_replay.mode`."""
     if mode == "disabled":
         return {}
-    if not is_moe:
-        raise ConfigError(f"actor_rollout_ref.actor.router_replay.mode={mode} needs a MoE model, this one is dense; "
-                          "set it to disabled")
+    assert is_moe, "mppo.config.validate refuses routing replay on a dense model (check_router_replay)"
     return {"moe_enable_routing_replay": True}
 
 

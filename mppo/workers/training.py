@@ -52,18 +52,8 @@ class TrainLoop:
     def __init__(self, model: Sequence[nn.Module], optimizer, dims: ParallelDims, *, role: str,
                  mini_batch_size: int, micro_batch_size: int | None, use_dynamic_bsz: bool, max_token_len: int,
                  epochs: int, shuffle: bool, seed: int):
-        """`mini_batch_size` is in samples over all DP ranks (ppo_mini_batch_size x rollout.n)."""
-        for name, value in (("ppo_mini_batch_size", mini_batch_size), ("ppo_epochs", epochs),
-                            ("use_dynamic_bsz", use_dynamic_bsz)):
-            if value is None:
-                raise ValueError(f"{role}.{name} is not set; resolve the config (mppo.config) before building "
-                                 "workers")
-        if mini_batch_size % dims.dp:
-            raise ValueError(f"{role}: mini-batch of {mini_batch_size} samples (ppo_mini_batch_size x rollout.n) "
-                             f"does not split over dp={dims.dp} ranks; make it a multiple of {dims.dp}")
-        if not use_dynamic_bsz and (micro_batch_size is None or micro_batch_size < 1):
-            raise ValueError(f"{role}.ppo_micro_batch_size_per_gpu must be >= 1 without use_dynamic_bsz, "
-                             f"got {micro_batch_size}")
+        """`mini_batch_size` is in samples over all DP ranks (ppo_mini_batch_size x rollout.n); the sizes come from
+        a resolved, validated config (mppo.config: a mini-batch splits over DP into whole micro-batches)."""
         self.model, self.optimizer, self.dims, self.role = list(model), optimizer, dims, role
         self.local_mini_batch_size = mini_batch_size // dims.dp
         self.micro_batch_size, self.use_dynamic_bsz = micro_batch_size, use_dynamic_bsz

@@ -79,10 +79,13 @@ def run(args, result: dict) -> None:
         trainer.step += 1
         steps.append(trainer.train_step(next(loader)))
         batch = captured[0]
-        case = {"seconds": {"build": built - start, "steps": time.perf_counter() - built},"steps": [{k: float(v) for k, v in m.items()} for m in steps],
+        case = {"seconds": {"build": built - start, "steps": time.perf_counter() - built},
+                "steps": [{k: float(v) for k, v in m.items()} for m in steps],
                 "advantages_finite": bool(torch.isfinite(batch["advantages"]).all()),
                 "advantages_nonzero": bool(batch["advantages"].abs().sum() > 0),
-                "batch_keys": sorted(batch)}
+                "batch_keys": sorted(batch),
+                # what the update receives, against mppo.workers.batch_schema (tests/test_batch_schema.py)
+                "batch_specs": {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in batch.items()}}
         needs = ADV_ESTIMATOR_REGISTRY[name].needs
         if "reward_baselines" in needs:
             model = hf_model(trainer.cfg.actor_rollout_ref.model.path)

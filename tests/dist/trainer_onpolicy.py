@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from mppo.config.decisions import OldLogProbSource
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: dist_util
 from dist_util import rank_main  # noqa: E402
 
@@ -41,6 +43,11 @@ def first_step(trainer) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
 
+def reuses(trainer) -> bool:
+    """Whether the trainer takes the old log-probs from the update's own forward."""
+    return trainer.old_log_prob_source is OldLogProbSource.UPDATE_FORWARD
+
+
 def actor_weights(trainer) -> list[torch.Tensor]:
     return [p.detach().clone() for chunk in trainer.actor.model for p in chunk.parameters()]
 
@@ -54,7 +61,7 @@ def run(args, result: dict) -> None:
                         ("recompute", ["actor_rollout_ref.actor.reuse_on_policy_log_prob=false"])):
         trainer = build(args.config, base + extra)
         before = actor_weights(trainer)
-        result[name] = {"reuse": trainer.reuse_old_log_prob, "metrics": first_step(trainer)}
+        result[name] = {"reuse": reuses(trainer), "metrics": first_step(trainer)}
         weights[name] = actor_weights(trainer)
         result[name]["weights_moved"] = max((a - b).abs().max().item() for a, b in zip(weights[name], before))
         close(trainer)
@@ -64,16 +71,16 @@ def run(args, result: dict) -> None:
     # Reuse with two pipeline stages (DP 1): the update's log-probs come from the last stage to every rank.
     trainer = build(args.config, base + ["actor_rollout_ref.actor.reuse_on_policy_log_prob=true",
                                          "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"])
-    result["reuse_pp2"] = {"reuse": trainer.reuse_old_log_prob, "metrics": first_step(trainer)}
+    result["reuse_pp2"] = {"reuse": reuses(trainer), "metrics": first_step(trainer)}
     close(trainer)
 
     # Not on-policy: the flag stays on in the config, the trainer recomputes old log-probs (the phase runs).
     for name, extra in (("two_epochs", ["actor_rollout_ref.actor.ppo_epochs=2"]),
                         ("two_mini_batches", ["actor_rollout_ref.actor.ppo_mini_batch_size=4"])):
         trainer = build(args.config, base + extra + ["actor_rollout_ref.actor.reuse_on_policy_log_prob=true"])
-        result[name] = {"reuse": trainer.reuse_old_log_prob, "metrics": first_step(trainer)}
+        result[name] = {"reuse": reuses(trainer), "metrics": first_step(trainer)}
         # The actor refuses old log-probs from its own forward when the update is not on-policy.
-        trainer.reuse_old_log_prob = True
+        trainer.old_log_prob_source = OldLogProbSource.UPDATE_FORWARD
         try:
             first_step(trainer)
             result[name]["actor_refused"] = ""

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from mppo.config.decisions import OldLogProbSource
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: dist_util
 from dist_util import rank_main  # noqa: E402
 
@@ -52,8 +54,9 @@ def run_case(config: str, overrides: list[str], engine_temperature: float | None
     prompts = next(iter(trainer.data.train_loader))
     metrics = {k: float(v) for k, v in trainer.train_step(prompts).items()}
     weights = [p.detach().clone() for chunk in trainer.actor.model for p in chunk.parameters()]
-    result = {"metrics": metrics, "captured": captured, "reuse": trainer.reuse_old_log_prob,
-              "pass": trainer.old_log_prob_pass}
+    source = trainer.old_log_prob_source
+    result = {"metrics": metrics, "captured": captured, "reuse": source is OldLogProbSource.UPDATE_FORWARD,
+              "pass": source is OldLogProbSource.ACTOR_PASS}
     trainer.watchdog.close()
     trainer.metrics.close()
     destroy()
