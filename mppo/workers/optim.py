@@ -21,6 +21,7 @@ one forward-backward-step over micro-batches.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Sequence
 
 import torch
@@ -122,7 +123,11 @@ def build_optimizer(ddp_chunks: Sequence[nn.Module], optim: OptimConfig, *, use_
     )
     optimizer = get_megatron_optimizer(config, list(ddp_chunks))
     model_config = ddp_chunks[0].config
-    model_config.grad_scale_func = optimizer.scale_loss
+    # Weakly: megatron's fp32 distributed optimizer keeps views of the parameters (their autograd nodes hold DDP's
+    # backward hooks, which hold DDP and so this config), a cycle through C++ that Python's collector cannot break:
+    # a bound method here would keep every model and its process groups (with their threads) alive for good.
+    scale_loss = weakref.WeakMethod(optimizer.scale_loss)
+    model_config.grad_scale_func = lambda loss: scale_loss()(loss)
     model_config.finalize_model_grads_func = finalize_model_grads
     return optimizer
 
