@@ -6,6 +6,7 @@ log-probs, torch.optim.AdamW (tests/dist/workers_fixtures.py), and runs of the w
 """
 from __future__ import annotations
 
+import gc
 import os
 import random
 import sys
@@ -521,21 +522,24 @@ class Cases:
 def run_cases(opts, res: dict) -> None:
     cases = Cases(opts.out / "work", res, int(os.environ["RANK"]))
     cases.setup()
-    # three launches: each layout switch leaves megatron's gloo groups (and their threads) behind, so one launch of
-    # every case slowed down past its timeout (and once lost two ranks) on 2-core machines
-    if opts.part == "overlap":
-        overlap_cases(cases.work, cases.batch, res, actor_config)
-    elif opts.part == "lora":
-        lora_cases(cases, actor_config, TEMPERATURE, dp_shard)
-    else:
-        for case in (cases.actor_layouts, cases.global_normalisation, cases.tied_embeddings, cases.nan_skip,
-                     cases.bf16_training, cases.critic, cases.host_reads, cases.checkpoints):
-            case()
+    for case in (cases.actor_layouts, cases.global_normalisation, cases.tied_embeddings, cases.nan_skip,
+                 cases.bf16_training, cases.critic, cases.host_reads, cases.checkpoints):
+        case()
+    overlap_cases(cases.work, cases.batch, res, actor_config)
+    lora_cases(cases, actor_config, TEMPERATURE, dp_shard)
+    # Every layout switch above destroyed its groups: no model of an earlier layout may outlive it (each held its
+    # gloo groups, and their threads, for the life of the process: mppo.parallel.destroy)
+    from megatron.core.distributed import DistributedDataParallel
+
+    from mppo.parallel import destroy
+
+    destroy()
+    res["leak/live_ddp_models"] = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
+    res["leak/threads"] = len(os.listdir(f"/proc/{os.getpid()}/task"))
 
 
 def main() -> None:
-    rank_main(run_cases, add_arguments=lambda p: p.add_argument("--part", choices=("main", "overlap", "lora"),
-                                                                default="main"))
+    rank_main(run_cases)
 
 
 if __name__ == "__main__":
