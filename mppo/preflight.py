@@ -267,10 +267,12 @@ def check_tokenizer(cfg: MppoConfig, tokenizer: Any) -> None:
                 f"{vocab_size}: token ids >= {vocab_size} have no embedding. Use the tokenizer that belongs to this "
                 "model (actor_rollout_ref.model.tokenizer_path), or resize the model's embeddings first")
     if cfg.actor_rollout_ref.rollout.multi_turn.enable:
-        _check_multi_turn_template(cfg, tokenizer)
+        check_multi_turn_template(cfg, tokenizer)
 
 
-def _check_multi_turn_template(cfg: MppoConfig, tokenizer: Any) -> None:
+def check_multi_turn_template(cfg: MppoConfig, tokenizer: Any) -> None:
+    """multi_turn: turns end at stop tokens, and the tokenizer's chat template renders a tool turn after earlier
+    turns unchanged (the agent loop appends each turn's tokens to the conversation's)."""
     from mppo.rollout.agent_loop import TOOL_CALL_END, tool_call_stop_id, tool_turn_ids
 
     if cfg.actor_rollout_ref.rollout.ignore_eos:

@@ -121,11 +121,13 @@ def test_a_several_token_tool_call_end_is_found_and_other_stops_continue_the_tur
     assert len(engine.contexts) == stops_in_first + 1 + (sum(t == stop for t in answer_ids))
 
 
-def test_build_agent_loop_rejects_what_cannot_work(tmp_path):
+def test_multi_turn_refuses_a_tokenizer_it_cannot_work_with(tmp_path):
+    """mppo.preflight checks the run's tokenizer as soon as it is loaded; build_agent_loop trusts that check."""
     import pytest
 
     from dist_util import REPO
     from mppo.config import ConfigError, load_config
+    from mppo.preflight import check_multi_turn_template
     from mppo.rollout.agent_loop import build_agent_loop
 
     tok = tokenizer(tmp_path)
@@ -135,22 +137,23 @@ def test_build_agent_loop_rejects_what_cannot_work(tmp_path):
                            ["actor_rollout_ref.rollout.multi_turn.enable=true", "trainer.n_gpus_per_node=1",
                             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1", *extra], world_size=1)
 
+    check_multi_turn_template(cfg(), tok)
     assert build_agent_loop(cfg(), tok).max_tool_response_length == 256
     assert build_agent_loop(cfg("actor_rollout_ref.rollout.multi_turn.enable=false"), tok) is None
     with pytest.raises(ConfigError, match="ignore_eos"):
-        build_agent_loop(cfg("actor_rollout_ref.rollout.ignore_eos=true"), tok)
+        check_multi_turn_template(cfg("actor_rollout_ref.rollout.ignore_eos=true"), tok)
     template = tok.chat_template
     tok.chat_template = None
     with pytest.raises(ConfigError, match="no chat template"):
-        build_agent_loop(cfg(), tok)
+        check_multi_turn_template(cfg(), tok)
     # a template that renders only the last two messages cannot have turns appended
     tok.chat_template = "{% for m in messages[-2:] %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     with pytest.raises(ConfigError, match="cannot append a tool turn"):
-        build_agent_loop(cfg(), tok)
+        check_multi_turn_template(cfg(), tok)
     tok.chat_template = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}" \
                         "{% endif %}{{ m.content }}{% endfor %}"
     with pytest.raises(ConfigError, match="cannot append a tool turn"):
-        build_agent_loop(cfg(), tok)
+        check_multi_turn_template(cfg(), tok)
     tok.chat_template = template
 
 

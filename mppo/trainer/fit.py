@@ -87,6 +87,7 @@ class PPOTrainer:
         preflight.check_run(cfg)  # bad input stops the run here, in seconds: before megatron is imported
         self.data = components.build_data(cfg)
         self.agent = build_agent_loop(cfg, self.data.tokenizer)  # rollout.multi_turn (None: single-turn)
+        injector = faults.from_env()  # None unless MPPO_FAULT is set (tests); a bad value stops the run here
         self.dims = init_distributed(mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size,
                                      mcfg.virtual_pipeline_model_parallel_size, ep=mcfg.expert_model_parallel_size,
                                      etp=mcfg.expert_tensor_parallel_size, cp=mcfg.context_parallel_size,
@@ -122,7 +123,7 @@ class PPOTrainer:
             core_algos.estimator_spec(cfg.algorithm.adv_estimator).needs, rollout_batch=self.rollout_batch,
             reward=self.reward, sampling=self.train_sampling)
         self.dynamic_sampler = self._dynamic_sampler() if cfg.algorithm.filter_groups.enable else None
-        self.hooks = self._step_hooks()
+        self.hooks = self._step_hooks(injector)
         self.metrics = MetricsLogger(self.run_dir, cfg.trainer.logger, enabled=self.is_main,
                                      project=cfg.trainer.project_name, experiment=cfg.trainer.experiment_name)
         self.step = self.consecutive_skips = self.skipped_steps = self.consecutive_failed_rewards = 0
@@ -131,14 +132,13 @@ class PPOTrainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
 
-    def _step_hooks(self) -> StepHooks:
+    def _step_hooks(self, injector: faults.FaultInjector | None) -> StepHooks:
         """The generation dump (trainer.rollout_data_dir) and, in tests, fault injection (MPPO_FAULT): in that
         order, so the dump has the step's real data."""
         hooks = []
         if self.cfg.trainer.rollout_data_dir:
             hooks.append(GenerationDump(self.cfg.trainer.rollout_data_dir, self.data.tokenizer, is_main=self.is_main,
                                         gather_global=self.gather_global))
-        injector = faults.from_env()  # None unless MPPO_FAULT is set
         return StepHooks(hooks + ([injector] if injector is not None else []))
 
     def _dynamic_sampler(self) -> DynamicSampler:

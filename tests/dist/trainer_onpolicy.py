@@ -78,11 +78,13 @@ def run(args, result: dict) -> None:
     for name, extra in (("two_epochs", ["actor_rollout_ref.actor.ppo_epochs=2"]),
                         ("two_mini_batches", ["actor_rollout_ref.actor.ppo_mini_batch_size=4"])):
         trainer = build(args.config, base + extra + ["actor_rollout_ref.actor.reuse_on_policy_log_prob=true"])
+        update, updated = trainer.actor.update, []
+        trainer.actor.update = lambda batch, **kwargs: updated.append(batch) or update(batch, **kwargs)
         result[name] = {"reuse": reuses(trainer), "metrics": first_step(trainer)}
         # The actor refuses old log-probs from its own forward when the update is not on-policy.
-        trainer.old_log_prob_source = OldLogProbSource.UPDATE_FORWARD
         try:
-            first_step(trainer)
+            update(updated[0], temperature=trainer.cfg.actor_rollout_ref.rollout.temperature,
+                   old_log_prob_from_update=True)
             result[name]["actor_refused"] = ""
         except ValueError as err:
             result[name]["actor_refused"] = str(err)
