@@ -53,8 +53,12 @@ demo: $(STAMP)
 demo-tiny: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" RUN_DIR="$${RUN_DIR:-runs/demo-tiny}" bash launch/demo_cpu.sh
 
+# Two pytest-xdist workers (a file's tests on one worker), then the tests that measure the machine, alone; both
+# parts always run, and `make test` fails if either does (exit 5: PYTEST_ARGS selected none of a part's tests).
 test: $(STAMP) $(SGLANG_STAMP)
-	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -n 2 --dist loadfile -m "not serial" $(PYTEST_ARGS); parallel=$$?; \
+	$(BIN)/python -m pytest tests -m serial $(PYTEST_ARGS); serial=$$?; \
+	for code in $$parallel $$serial; do [ $$code -eq 0 ] || [ $$code -eq 5 ] || exit $$code; done
 
 # The GPU tier: on a machine with CUDA and the GPU stack already installed (not run by CI, which has no GPU).
 test-gpu:

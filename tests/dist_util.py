@@ -1,22 +1,37 @@
-"""Run a test script under torchrun and collect what each rank reports (`run_torchrun`, the pytest side), and the
-rank side of such a script (`rank_main`).
+"""Launch test ranks (`launch`: a script or `-m mppo ...` on N local ranks, as torchrun would), run a test script
+on them and collect what each rank reports (`run_torchrun`, the pytest side), and the rank side of such a script
+(`rank_main`).
 
-Distributed tests pay ~6 s of megatron import per process, so one torchrun launch should check many cases:
-the script runs them all and writes one JSON file per rank; the pytest side asserts on those results.
+A rank pays ~8 s of torch + megatron-core imports. `launch` forks its ranks from a server that imported them once
+per pytest process (multiprocessing's forkserver with those modules preloaded; nothing has run in it, so nothing
+is shared but imported code), so a launch costs its work, not its imports. The real torchrun path stays covered
+where it is the subject: the CLI, multi-node, kill/resume, stall and demo tests launch `torchrun` itself.
+One launch should still check many cases: the script runs them all and writes one JSON file per rank.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
+import runpy
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
+# what every rank imports before its first line of work; anything whose import reads the environment differently
+# per launch must not be here (the server imports it once, with pytest's environment)
+PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
+           "megatron.core.distributed", "megatron.core.pipeline_parallel"]
+_forkserver: multiprocessing.context.BaseContext | None = None
 
 
 def free_port() -> int:
@@ -25,19 +40,89 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rank(argv: list[str], env: dict[str, str], log: str) -> None:
+    """One rank, in a process forked from the server: torchrun's environment, output to `log`, then argv run as
+    `python argv...` would (a script path, or -m and a module)."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(REPO)
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def launch(nproc: int, argv: list[str], env: dict[str, str] | None = None,
+           timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `python argv...` on `nproc` local ranks with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...),
+    from REPO, and return the ranks' output (rank order, one stream) and the first failing rank's exit code.
+
+    Like torchrun, a failing rank ends the others (after a 10 s grace for them to report); past `timeout` all are
+    killed and the output so far is in the raised TimeoutError.
+    """
+    global _forkserver
+    if _forkserver is None:
+        _forkserver = multiprocessing.get_context("forkserver")
+        _forkserver.set_forkserver_preload(PRELOAD)
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0", "NODE_RANK": "0", "TORCHELASTIC_RUN_ID": "test", **(env or {})}
+    logs = tempfile.mkdtemp(prefix="ranks-")
+    ranks = []
+    for rank in range(nproc):
+        rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
+        proc = _forkserver.Process(target=_rank, args=(argv, rank_env, f"{logs}/rank{rank}.log"), daemon=False)
+        proc.start()
+        ranks.append(proc)
+
+    def output() -> str:
+        return "".join(Path(f"{logs}/rank{r}.log").read_text(errors="replace")
+                       for r in range(nproc) if Path(f"{logs}/rank{r}.log").exists())
+
+    deadline, failed_at = time.monotonic() + timeout, None
+    while any(p.exitcode is None for p in ranks):
+        multiprocessing.connection.wait([p.sentinel for p in ranks if p.exitcode is None], timeout=1)
+        now = time.monotonic()
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in ranks):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now > failed_at + 10):
+            for p in ranks:
+                p.kill()
+            for p in ranks:
+                p.join()
+            if now > deadline:
+                raise TimeoutError(f"{argv} on {nproc} ranks ran past {timeout:.0f} s:\n{output()[-8000:]}")
+    code, text = next((p.exitcode for p in ranks if p.exitcode != 0), 0), output()
+    shutil.rmtree(logs, ignore_errors=True)
+    return subprocess.CompletedProcess(argv, code, text, "")
+
+
+def train_cli(world: int, overrides: list[str], env: dict[str, str] | None = None,
+              timeout: float = 600) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=world -m mppo train configs/demo_cpu.yaml overrides...` (through `launch`),
+    failing with the ranks' output when it does not end cleanly."""
+    proc = launch(world, ["-m", "mppo", "train", "configs/demo_cpu.yaml", *overrides], env=env, timeout=timeout)
+    assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-12000:]}"
+    return proc
+
+
 def run_torchrun(script: str | Path, nproc: int, out_dir: Path, args: list[str] | None = None,
                  timeout: float = 600, env: dict | None = None) -> list[dict]:
-    """Launch `script` on `nproc` local ranks; return the JSON each rank wrote to out_dir/rank{R}.json.
+    """Launch `script` on `nproc` local ranks (`launch`); return the JSON each rank wrote to out_dir/rank{R}.json.
 
-    The script receives `--out DIR` as its first argument. On failure the combined output is in the assertion.
+    The script receives `--out DIR` as its first argument. On failure the ranks' output is in the assertion.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), "--out", str(out_dir),
-           *(args or [])]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-8000:]}\n{proc.stderr[-8000:]}"
+    proc = launch(nproc, [str(script), "--out", str(out_dir), *(args or [])], env=env, timeout=timeout)
+    assert proc.returncode == 0, f"ranks failed ({proc.returncode}):\n{proc.stdout[-16000:]}"
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 

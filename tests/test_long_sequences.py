@@ -19,6 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "dist" / "long_sequence.py"
 HEADS, MAX_POSITIONS = 4, 8192
+pytestmark = pytest.mark.serial  # peak resident set sizes: measured with no other test running
 LENGTHS = {2048: (512, 1536), 4096: (1024, 3072), 8192: (2048, 6144)}  # total: (prompt, response)
 
 

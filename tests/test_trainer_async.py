@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from dist_util import REPO, free_port
+from dist_util import REPO
+from dist_util import train_cli as train
 from e2e_assets import dense_reward, make_assets, step_metrics, tiny_overrides
 
 SEPARATE = ["actor_rollout_ref.hybrid_engine=false", "trainer.n_gpus_per_node=1",
@@ -40,14 +40,6 @@ def load(overrides: list[str], world: int):
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
     return make_assets(tmp_path_factory.mktemp("assets"))
-
-
-def train(world: int, overrides: list[str], timeout: float = 600, env: dict[str, str] | None = None) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "mppo", "train", "configs/demo_cpu.yaml", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
 
 
 def test_placement_splits_nodes():

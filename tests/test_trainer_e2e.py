@@ -1,15 +1,12 @@
 """End to end on CPU under torchrun: PPO (GAE + critic) and GRPO with TP=2 and PP=2, layout invariance of the
-first step (also at CP=2), and resume. Each run is the real CLI (`torchrun -m mppo train configs/demo_cpu.yaml ...`)."""
+first step (also at CP=2), and resume. Each run is the real CLI (`mppo train configs/demo_cpu.yaml ...` on torchrun's
+environment, through dist_util.train_cli)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from dist_util import REPO, free_port
+from dist_util import train_cli as train
 from e2e_assets import dense_reward, make_assets, step_metrics, tiny_overrides
 
 # Sampling, rewards and rollouts are identical across layouts; losses differ only by fp32 reduction order.
@@ -21,15 +18,6 @@ STEP1_KEYS = ("critic/score/mean", "critic/rewards/mean", "critic/advantages/mea
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
     return make_assets(tmp_path_factory.mktemp("assets"))
-
-
-def train(world: int, overrides: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "mppo", "train", "configs/demo_cpu.yaml", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return proc
 
 
 def test_ppo_gae_layouts_agree_and_tp2_pp2_trains(assets, tmp_path):
@@ -69,7 +57,7 @@ def test_grpo_tp2_and_resume_pp2(assets, tmp_path):
     train(2, tiny_overrides(assets, straight, world=2, pp=2, steps=3) + dense_reward(assets))
     train(2, tiny_overrides(assets, resumed, world=2, pp=2, steps=2) + dense_reward(assets))
     proc = train(2, tiny_overrides(assets, resumed, world=2, pp=2, steps=3) + dense_reward(assets))
-    assert "resumed from" in proc.stderr
+    assert "resumed from" in proc.stdout
     s, r = step_metrics(straight), step_metrics(resumed)
     assert sorted(r) == [0, 1, 2, 3]
     for key, value in s[3].items():
@@ -85,7 +73,7 @@ def test_bf16_model_checkpoints_and_resumes(assets, tmp_path):
     overrides = dense_reward(assets) + ["actor_rollout_ref.model.dtype=bf16"]
     train(1, tiny_overrides(assets, run, world=1, steps=1) + overrides)
     proc = train(1, tiny_overrides(assets, run, world=1, steps=2) + overrides)
-    assert "resumed from" in proc.stderr
+    assert "resumed from" in proc.stdout
     m = step_metrics(run)
     assert sorted(m) == [0, 1, 2] and m[2]["actor/grad_norm"] > 0 and m[2]["critic/vf_loss"] > 0
 
