@@ -41,11 +41,10 @@ def free_port() -> int:
 
 
 def _rank(argv: list[str], env: dict[str, str], log: str) -> None:
-    """One rank, in a process forked from the server: torchrun's environment, output to `log`, then argv run as
-    `python argv...` would (a script path, or -m and a module)."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
+    """One rank, in a process forked from the server: torchrun's environment, stdout and stderr to `log`.out and
+    .err, then argv run as `python argv...` would (a script path, or -m and a module)."""
+    for fd, suffix in ((1, ".out"), (2, ".err")):
+        os.dup2(os.open(log + suffix, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
     os.environ.clear()
@@ -63,7 +62,7 @@ def _rank(argv: list[str], env: dict[str, str], log: str) -> None:
 def launch(nproc: int, argv: list[str], env: dict[str, str] | None = None,
            timeout: float = 600) -> subprocess.CompletedProcess:
     """Run `python argv...` on `nproc` local ranks with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...),
-    from REPO, and return the ranks' output (rank order, one stream) and the first failing rank's exit code.
+    from REPO, and return the ranks' stdout and stderr (each in rank order) and the first failing rank's exit code.
 
     Like torchrun, a failing rank ends the others (after a 10 s grace for them to report); past `timeout` all are
     killed and the output so far is in the raised TimeoutError.
@@ -79,13 +78,13 @@ def launch(nproc: int, argv: list[str], env: dict[str, str] | None = None,
     ranks = []
     for rank in range(nproc):
         rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
-        proc = _forkserver.Process(target=_rank, args=(argv, rank_env, f"{logs}/rank{rank}.log"), daemon=False)
+        proc = _forkserver.Process(target=_rank, args=(argv, rank_env, f"{logs}/rank{rank}"), daemon=False)
         proc.start()
         ranks.append(proc)
 
-    def output() -> str:
-        return "".join(Path(f"{logs}/rank{r}.log").read_text(errors="replace")
-                       for r in range(nproc) if Path(f"{logs}/rank{r}.log").exists())
+    def output(suffix: str) -> str:
+        files = [Path(f"{logs}/rank{r}{suffix}") for r in range(nproc)]
+        return "".join(f.read_text(errors="replace") for f in files if f.exists())
 
     deadline, failed_at = time.monotonic() + timeout, None
     while any(p.exitcode is None for p in ranks):
@@ -99,10 +98,12 @@ def launch(nproc: int, argv: list[str], env: dict[str, str] | None = None,
             for p in ranks:
                 p.join()
             if now > deadline:
-                raise TimeoutError(f"{argv} on {nproc} ranks ran past {timeout:.0f} s:\n{output()[-8000:]}")
-    code, text = next((p.exitcode for p in ranks if p.exitcode != 0), 0), output()
+                raise TimeoutError(f"{argv} on {nproc} ranks ran past {timeout:.0f} s:\n{output('.out')[-4000:]}\n"
+                                   f"{output('.err')[-8000:]}")
+    done = subprocess.CompletedProcess(argv, next((p.exitcode for p in ranks if p.exitcode != 0), 0),
+                                       output(".out"), output(".err"))
     shutil.rmtree(logs, ignore_errors=True)
-    return subprocess.CompletedProcess(argv, code, text, "")
+    return done
 
 
 def train_cli(world: int, overrides: list[str], env: dict[str, str] | None = None,
@@ -110,7 +111,7 @@ def train_cli(world: int, overrides: list[str], env: dict[str, str] | None = Non
     """`torchrun --nproc_per_node=world -m mppo train configs/demo_cpu.yaml overrides...` (through `launch`),
     failing with the ranks' output when it does not end cleanly."""
     proc = launch(world, ["-m", "mppo", "train", "configs/demo_cpu.yaml", *overrides], env=env, timeout=timeout)
-    assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-12000:]}"
+    assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc
 
 
@@ -122,7 +123,7 @@ def run_torchrun(script: str | Path, nproc: int, out_dir: Path, args: list[str] 
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     proc = launch(nproc, [str(script), "--out", str(out_dir), *(args or [])], env=env, timeout=timeout)
-    assert proc.returncode == 0, f"ranks failed ({proc.returncode}):\n{proc.stdout[-16000:]}"
+    assert proc.returncode == 0, f"ranks failed ({proc.returncode}):\n{proc.stdout[-8000:]}\n{proc.stderr[-8000:]}"
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 

@@ -57,7 +57,7 @@ def test_grpo_tp2_and_resume_pp2(assets, tmp_path):
     train(2, tiny_overrides(assets, straight, world=2, pp=2, steps=3) + dense_reward(assets))
     train(2, tiny_overrides(assets, resumed, world=2, pp=2, steps=2) + dense_reward(assets))
     proc = train(2, tiny_overrides(assets, resumed, world=2, pp=2, steps=3) + dense_reward(assets))
-    assert "resumed from" in proc.stdout
+    assert "resumed from" in proc.stderr
     s, r = step_metrics(straight), step_metrics(resumed)
     assert sorted(r) == [0, 1, 2, 3]
     for key, value in s[3].items():
@@ -73,7 +73,7 @@ def test_bf16_model_checkpoints_and_resumes(assets, tmp_path):
     overrides = dense_reward(assets) + ["actor_rollout_ref.model.dtype=bf16"]
     train(1, tiny_overrides(assets, run, world=1, steps=1) + overrides)
     proc = train(1, tiny_overrides(assets, run, world=1, steps=2) + overrides)
-    assert "resumed from" in proc.stdout
+    assert "resumed from" in proc.stderr
     m = step_metrics(run)
     assert sorted(m) == [0, 1, 2] and m[2]["actor/grad_norm"] > 0 and m[2]["critic/vf_loss"] > 0
 
