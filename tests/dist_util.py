@@ -31,7 +31,6 @@ REPO = Path(__file__).resolve().parent.parent
 # per launch must not be here (the server imports it once, with pytest's environment)
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
            "megatron.core.distributed", "megatron.core.pipeline_parallel"]
-_forkserver: multiprocessing.context.BaseContext | None = None
 
 
 def free_port() -> int:
@@ -67,10 +66,8 @@ def launch(nproc: int, argv: list[str], env: dict[str, str] | None = None,
     Like torchrun, a failing rank ends the others (after a 10 s grace for them to report); past `timeout` all are
     killed and the output so far is in the raised TimeoutError.
     """
-    global _forkserver
-    if _forkserver is None:
-        _forkserver = multiprocessing.get_context("forkserver")
-        _forkserver.set_forkserver_preload(PRELOAD)
+    forkserver = multiprocessing.get_context("forkserver")  # one server per process, started by the first launch
+    forkserver.set_forkserver_preload(PRELOAD)
     base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
             "GROUP_RANK": "0", "NODE_RANK": "0", "TORCHELASTIC_RUN_ID": "test", **(env or {})}
@@ -78,7 +75,7 @@ def launch(nproc: int, argv: list[str], env: dict[str, str] | None = None,
     ranks = []
     for rank in range(nproc):
         rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank)}
-        proc = _forkserver.Process(target=_rank, args=(argv, rank_env, f"{logs}/rank{rank}"), daemon=False)
+        proc = forkserver.Process(target=_rank, args=(argv, rank_env, f"{logs}/rank{rank}"), daemon=False)
         proc.start()
         ranks.append(proc)
 
@@ -87,23 +84,24 @@ def launch(nproc: int, argv: list[str], env: dict[str, str] | None = None,
         return "".join(f.read_text(errors="replace") for f in files if f.exists())
 
     deadline, failed_at = time.monotonic() + timeout, None
-    while any(p.exitcode is None for p in ranks):
-        multiprocessing.connection.wait([p.sentinel for p in ranks if p.exitcode is None], timeout=1)
-        now = time.monotonic()
-        if failed_at is None and any(p.exitcode not in (None, 0) for p in ranks):
-            failed_at = now
-        if now > deadline or (failed_at is not None and now > failed_at + 10):
-            for p in ranks:
-                p.kill()
-            for p in ranks:
-                p.join()
-            if now > deadline:
-                raise TimeoutError(f"{argv} on {nproc} ranks ran past {timeout:.0f} s:\n{output('.out')[-4000:]}\n"
-                                   f"{output('.err')[-8000:]}")
-    done = subprocess.CompletedProcess(argv, next((p.exitcode for p in ranks if p.exitcode != 0), 0),
-                                       output(".out"), output(".err"))
-    shutil.rmtree(logs, ignore_errors=True)
-    return done
+    try:
+        while any(p.exitcode is None for p in ranks):
+            multiprocessing.connection.wait([p.sentinel for p in ranks if p.exitcode is None], timeout=1)
+            now = time.monotonic()
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in ranks):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now > failed_at + 10):
+                for p in ranks:
+                    p.kill()
+                for p in ranks:
+                    p.join()
+                if now > deadline:
+                    raise TimeoutError(f"{argv} on {nproc} ranks ran past {timeout:.0f} s:\n"
+                                       f"{output('.out')[-4000:]}\n{output('.err')[-8000:]}")
+        return subprocess.CompletedProcess(argv, next((p.exitcode for p in ranks if p.exitcode != 0), 0),
+                                           output(".out"), output(".err"))
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 def train_cli(world: int, overrides: list[str], env: dict[str, str] | None = None,

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from dist_util import REPO
 from dist_util import train_cli as train
 from e2e_assets import dense_reward, make_assets, step_metrics, tiny_overrides

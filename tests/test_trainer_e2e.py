@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from dist_util import train_cli as train
 from e2e_assets import dense_reward, make_assets, step_metrics, tiny_overrides
 
