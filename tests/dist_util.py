@@ -11,6 +11,7 @@ One launch should still check many cases: the script runs them all and writes on
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -42,6 +43,7 @@ def free_port() -> int:
 def _rank(argv: list[str], env: dict[str, str], log: str) -> None:
     """One rank, in a process forked from the server: torchrun's environment, stdout and stderr to `log`.out and
     .err, then argv run as `python argv...` would (a script path, or -m and a module)."""
+    gc.freeze()  # the server's imports live as long as the rank: the collector need not walk them (Python's gc docs)
     for fd, suffix in ((1, ".out"), (2, ".err")):
         os.dup2(os.open(log + suffix, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
     sys.stdout.reconfigure(line_buffering=True)
@@ -158,6 +160,7 @@ def rank_main(run: Callable[[argparse.Namespace, dict], None], *,
 
         init_distributed(1, 1)  # the process group; each case builds (and destroys) its own layout
         destroy()
+    gc.freeze()  # the imports outlive every case: each case's teardown (mppo.parallel.destroy) need not walk them
     try:
         run(opts, res)
     except Exception:

@@ -2,8 +2,8 @@
 nodes whose first name is 127.0.0.1) and a fake `srun` that starts the per-node command as two concurrent
 processes, as Slurm would on two hosts. Each is a separate torchrun agent; they meet at a c10d rendezvous on
 127.0.0.1 and train 2 PPO steps at TP=2 inside a node and DP=2 across nodes. The reference is the same layout
-launched as one 4-rank torchrun on one node: same global ranks, same groups, same gloo reductions, so every
-metric that is not a clock reading must be bit-identical. A dense custom reward makes the compared numbers real
+launched as 4 ranks on one node (tests/dist_util.launch, with torchrun's environment): same global ranks, same
+groups, same gloo reductions, so every metric that is not a clock reading must be bit-identical. A dense custom reward makes the compared numbers real
 (the random model never solves countdown, so the built-in score, advantages and gradients would all be zero).
 
 Also: every rank logs its host, global rank and TP/PP/DP coordinates at start-up, and a node that cannot reach
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_util import REPO, free_port
+from dist_util import REPO, free_port, train_cli
 from e2e_assets import dense_reward, make_assets, step_metrics, tiny_overrides
 
 NODES, RANKS_PER_NODE = 2, 2
@@ -131,11 +131,9 @@ def layout_lines(text: str) -> dict[int, dict]:
 def test_two_node_launch_matches_single_node(assets, tmp_path):
     """sbatch → 2 torchrun agents (2 ranks each) on a c10d rendezvous == one 4-rank torchrun, metric for metric."""
     single_dir, multi_dir = tmp_path / "single", tmp_path / "multi"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "mppo", "train", "configs/demo_cpu.yaml",
-           *run_overrides(assets, single_dir, per_node=WORLD)]
-    rc, single_out, _ = run_group(cmd, base_env(), timeout=240)
-    assert rc == 0, f"single-node run failed ({rc}):\n{single_out[-6000:]}"
+    # the reference's ranks get torchrun's environment from dist_util.launch (the launcher is not its subject)
+    single = train_cli(WORLD, run_overrides(assets, single_dir, per_node=WORLD), timeout=240)
+    single_out = single.stdout + single.stderr
 
     port = free_port()
     env, logs = sbatch_env(tmp_path, port, RDZV_TIMEOUT="60")

@@ -5,11 +5,12 @@ CPU engine on its own rank beside the trainer's, `async_training.max_off_policy_
 References: the co-located 1-rank run of the same config (the real CLI under torchrun, as tests/test_trainer_e2e.py)
 for k=0, which must give the same metrics; for k=1 the same step 1 (both generate it on the initial weights), then
 responses one version old (staleness 1, a rollout-vs-actor gap far above the co-located run's) generated while the
-previous step updated (the generation intervals the engine reports overlap the trainer's update phases); for a k=1
-run killed with a generation in flight and restarted, the uninterrupted k=1 run, bit for bit. The same placements
-with a real sglang.Engine (SGLang's CPU tier) on the engine rank: the co-located 1-rank SGLang run for k=0, and k=1's
-first step (top_k=1, so SGLang's sampling, which ignores per-sample seeds on the CPU, cannot depend on how the
-scheduler batched the requests)."""
+previous step updated (the generation intervals the engine reports overlap the trainer's update phases); for a k=2
+run killed with two generations in flight and restarted, the uninterrupted k=2 run, bit for bit. The same placements
+with a real sglang.Engine (SGLang's CPU tier) on the engine rank: at k=0 the engine's log-probs equal the actor's
+after every sync across the split, and k=1 gives k=0's first step (top_k=1, so SGLang's sampling, which ignores
+per-sample seeds on the CPU, cannot depend on how the scheduler batched the requests); the co-located SGLang run is
+tests/test_trainer_sglang.py's."""
 from __future__ import annotations
 
 import os
@@ -89,7 +90,7 @@ def test_bad_placements_stop_in_one_line(assets, tmp_path):
 
 @pytest.fixture(scope="module")
 def runs(assets, tmp_path_factory) -> dict[str, tuple[list[str], Path, dict[int, dict]]]:
-    """The co-located 1-rank run and the separate runs at k=0 and k=1 (4 steps: the resume test's reference):
+    """The co-located 1-rank run and the separate runs at k=0, k=1, k=2 (4 steps: the resume test's reference):
     each one's overrides, run directory and metrics."""
     tmp = tmp_path_factory.mktemp("runs")
     # 2 mini-batches: the old-log-prob pass runs, so the rollout-vs-actor metrics are logged
@@ -139,11 +140,11 @@ SGLANG = ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.te
 
 @pytest.fixture(scope="module")
 def sglang_runs(assets, tmp_path_factory) -> dict[str, dict[int, dict]]:
-    """Co-located 1-rank, separate k=0 and separate k=1 runs (3 steps) on SGLang: each one's metrics."""
+    """Separate k=0 and k=1 runs (3 steps) on SGLang: each one's metrics."""
     tmp = tmp_path_factory.mktemp("sglang_runs")
     common = tiny_overrides(assets, tmp / "x", world=1, steps=3) + dense_reward(assets) + SGLANG + [
         "trainer.save_freq=-1", "trainer.test_freq=2"]
-    plans = {"colocated": (1, []), "k0": (2, SEPARATE), "k1": (2, SEPARATE + ["async_training.max_off_policy_steps=1"])}
+    plans = {"k0": (2, SEPARATE), "k1": (2, SEPARATE + ["async_training.max_off_policy_steps=1"])}
     out = {}
     for name, (world, extra) in plans.items():
         train(world, common + extra + [f"trainer.default_local_dir={tmp / name}"])
@@ -152,22 +153,21 @@ def sglang_runs(assets, tmp_path_factory) -> dict[str, dict[int, dict]]:
 
 
 def test_sglang_on_the_separate_placement(sglang_runs):
-    """1 trainer rank + 1 rank holding a real sglang.Engine: k=0 gives the co-located SGLang run's step 1-3 metrics
-    (1e-4; the engine's log-probs equal the actor's after every sync across the split), k=1 its step 1, then
-    responses one version old."""
-    co, k0, k1 = (sglang_runs[name] for name in ("colocated", "k0", "k1"))
-    assert sorted(co) == sorted(k0) == sorted(k1) == [0, 1, 2, 3]
+    """1 trainer rank + 1 rank holding a real sglang.Engine: at k=0 the engine's log-probs equal the actor's after
+    every sync across the split (< 1e-6, the weights arrive whole each step); k=1 gives k=0's step 1 (1e-4: both
+    generate it on the initial weights), then responses one version old."""
+    k0, k1 = sglang_runs["k0"], sglang_runs["k1"]
+    assert sorted(k0) == sorted(k1) == [0, 1, 2, 3]
     for step in (1, 2, 3):
-        keys = [k for k in co[step] if not k.startswith(NOT_COMPARED)]
-        assert len(keys) > 30 and set(keys) <= set(k0[step]), set(keys) - set(k0[step])
-        for key in keys:
-            assert k0[step][key] == pytest.approx(co[step][key], rel=1e-4, abs=1e-6), (step, key)
         assert k0[step]["training/rollout_probs_diff_max"] < 1e-6, step
-    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "training/rollout_probs_diff_max"):
-        assert k1[1][key] == pytest.approx(co[1][key], rel=1e-4, abs=1e-6), key
+        assert k0[step]["async/staleness/max"] == 0 and k0[step]["actor/grad_norm"] > 0, step
+    keys = [k for k in k0[1] if not k.startswith(NOT_COMPARED)]
+    assert len(keys) > 30 and set(keys) <= set(k1[1]), set(keys) - set(k1[1])
+    for key in keys:
+        assert k1[1][key] == pytest.approx(k0[1][key], rel=1e-4, abs=1e-6), key
     for step in (2, 3):
         assert k1[step]["async/staleness/mean"] == k1[step]["async/staleness/max"] == 1, step
-        assert k1[step]["training/rollout_probs_diff_max"] > 10 * co[step]["training/rollout_probs_diff_max"], step
+        assert k1[step]["training/rollout_probs_diff_max"] > 10 * k0[step]["training/rollout_probs_diff_max"], step
 
 
 def test_two_step_off_policy_runs_up_to_two_versions_behind(runs):
@@ -206,16 +206,15 @@ def test_partial_rollouts_go_on_on_the_new_weights(runs):
         assert partial[step]["async/staleness/max"] == 1, step
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_off_policy_kill_and_resume_continues_identically(runs, tmp_path, k):
-    """k=1, killed in step 3's actor update (the checkpoint after step 2 written while the engine generated step 3
-    on version 1; step 4's generation in flight on version 2), then restarted: the resumed run trains step 3 on the
-    rollout the checkpoint kept and its steps 3-4 (and everything before) equal the uninterrupted k=1 run's, to the
-    bit (timing aside). A resume that regenerated step 3 on the checkpoint's weights would be one version newer.
-    k=2: the checkpoint after step 2 keeps steps 3 and 4's generations (versions 0 and 1), the same way."""
+def test_off_policy_kill_and_resume_continues_identically(runs, tmp_path):
+    """k=2, killed in step 3's actor update (the checkpoint after step 2 written with steps 3 and 4's generations
+    in flight, on versions 0 and 1), then restarted: the resumed run trains steps 3 and 4 on the rollouts the
+    checkpoint kept and its steps 3-4 (and everything before) equal the uninterrupted k=2 run's, to the bit (timing
+    aside). A resume that regenerated them on the checkpoint's weights would be newer. (k=1 keeps one generation
+    the same way: step 3's, on version 1.)"""
     from reliability_launch import train as launch
 
-    overrides, _, want = runs[f"k{k}"]
+    overrides, _, want = runs["k2"]
     run_dir = tmp_path / "crashed"
     overrides = overrides + [f"trainer.default_local_dir={run_dir}", "trainer.save_freq=2"]
     killed = launch(overrides, env={"MPPO_FAULT": "kill@step:3:phase:update_actor"}, log=tmp_path / "killed.log",
@@ -225,8 +224,7 @@ def test_off_policy_kill_and_resume_continues_identically(runs, tmp_path, k):
     resumed = launch(overrides, log=tmp_path / "resumed.log", timeout=900)
     assert resumed.returncode == 0, resumed.output[-4000:]
     assert f"resumed from {run_dir / 'checkpoints' / 'global_step_2'} (step 2)" in resumed.output
-    restored = {1: [(3, 1)], 2: [(3, 0), (4, 1)]}[k]
-    for step, version in restored:
+    for step, version in ((3, 0), (4, 1)):
         assert (f"restored the generation in flight at the checkpoint: step {step}'s responses (policy version "
                 f"{version})") in resumed.output, resumed.output[-3000:]
     got = step_metrics(run_dir)
@@ -235,4 +233,4 @@ def test_off_policy_kill_and_resume_continues_identically(runs, tmp_path, k):
         keys = {k for k in want[step] if not k.startswith(NOT_COMPARED)}
         assert keys == {k for k in got[step] if not k.startswith(NOT_COMPARED)}, step
         assert {k: got[step][k] for k in keys} == {k: want[step][k] for k in keys}, step
-    assert got[3]["async/staleness/max"] == got[4]["async/staleness/max"] == k
+    assert got[3]["async/staleness/max"] == got[4]["async/staleness/max"] == 2

@@ -2,7 +2,6 @@
 generation batches, and a run resumed across refilled steps continues bit-identically."""
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest

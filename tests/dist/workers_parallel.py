@@ -10,6 +10,7 @@ import gc
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -524,9 +525,15 @@ def run_cases(opts, res: dict) -> None:
     cases.setup()
     for case in (cases.actor_layouts, cases.global_normalisation, cases.tied_embeddings, cases.nan_skip,
                  cases.bf16_training, cases.critic, cases.host_reads, cases.checkpoints):
+        began = time.monotonic()
         case()
+        res[f"wall_s/{case.__name__}"] = time.monotonic() - began  # what each case costs the launch
+    began = time.monotonic()
     overlap_cases(cases.work, cases.batch, res, actor_config)
+    res["wall_s/overlap_cases"] = time.monotonic() - began
+    began = time.monotonic()
     lora_cases(cases, actor_config, TEMPERATURE, dp_shard)
+    res["wall_s/lora_cases"] = time.monotonic() - began
     # Every layout switch above destroyed its groups: no model of an earlier layout may outlive it (each held its
     # gloo groups, and their threads, for the life of the process: mppo.parallel.destroy)
     from megatron.core.distributed import DistributedDataParallel
@@ -534,6 +541,7 @@ def run_cases(opts, res: dict) -> None:
     from mppo.parallel import destroy
 
     destroy()
+    gc.unfreeze()  # the rank froze what it inherited (dist_util._rank), and gc.get_objects() skips frozen objects
     res["leak/live_ddp_models"] = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
     res["leak/threads"] = len(os.listdir(f"/proc/{os.getpid()}/task"))
 
