@@ -56,8 +56,13 @@ def _rank(argv: list[str], env: dict[str, str], log: str) -> None:
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
         sys.argv = list(argv)
-        sys.path.insert(0, str(Path(argv[0]).resolve().parent))
-        runpy.run_path(argv[0], run_name="__main__")
+        script = Path(argv[0]).resolve()
+        sys.path.insert(0, str(script.parent))
+        # Not runpy.run_path: it would make the script sys.modules["__main__"], and every process the rank spawns
+        # (megatron's checkpoint Manager, SGLang's scheduler and detokenizer) would import the script again first,
+        # ~4 s of torch and transformers each. This way they find a main module without a file, as under
+        # `python -c`. (No tests/dist script pickles its own functions for another process.)
+        exec(compile(script.read_bytes(), str(script), "exec"), {"__name__": "__main__", "__file__": str(script)})
 
 
 def launch(nproc: int, argv: list[str], env: dict[str, str] | None = None,
