@@ -6,7 +6,6 @@ loads and validates the config against torchrun's WORLD_SIZE; only rank 0 prints
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import logging
 import os
@@ -88,33 +87,11 @@ def _train(args: argparse.Namespace) -> int:
                 return _error(str(e))
         return 0
     _configure_run_logging()
-    _import_the_stack()
     trainer = importlib.import_module("mppo.trainer")
     try:
         return int(trainer.run(cfg) or 0)
     except USER_INPUT_ERRORS as e:
         return _error(str(e), every_rank=True)
-
-
-# What every training rank imports; the trainer itself imports them lazily, where it first needs them.
-TRAINING_STACK = ("torch", "torch.distributed.checkpoint", "megatron.core", "megatron.core.models.gpt",
-                  "megatron.core.optimizer", "megatron.core.distributed", "megatron.core.pipeline_parallel",
-                  "transformers")
-
-
-def _import_the_stack() -> None:
-    """Import TRAINING_STACK with the cyclic garbage collector off, then freeze what it created out of the
-    collector's reach (gc.freeze). Those ~0.5M objects live as long as the process, yet with the collector on the
-    imports alone run ~7 full collections over the growing heap (1.1 s of a 6.9 s import on a 2-core CPU,
-    measured), and every full collection of the run walks them all again. The few cycles the imports leave behind
-    are kept rather than collected."""
-    gc.disable()
-    try:
-        for module in TRAINING_STACK:
-            importlib.import_module(module)
-    finally:
-        gc.freeze()
-        gc.enable()
 
 
 def _print_plan(cfg) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.machinery
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 from pathlib import Path
 from typing import Callable
 
@@ -58,11 +60,14 @@ def _rank(argv: list[str], env: dict[str, str], log: str) -> None:
         sys.argv = list(argv)
         script = Path(argv[0]).resolve()
         sys.path.insert(0, str(script.parent))
-        # Not runpy.run_path: it would make the script sys.modules["__main__"], and every process the rank spawns
-        # (megatron's checkpoint Manager, SGLang's scheduler and detokenizer) would import the script again first,
-        # ~4 s of torch and transformers each. This way they find a main module without a file, as under
-        # `python -c`. (No tests/dist script pickles its own functions for another process.)
-        exec(compile(script.read_bytes(), str(script), "exec"), {"__name__": "__main__", "__file__": str(script)})
+        # The script is the main module, as under runpy.run_path, but with a module spec named "__main__": the
+        # processes the rank spawns (megatron's checkpoint Manager, SGLang's scheduler and detokenizer) then skip
+        # importing it again first (multiprocessing.spawn, as for `python -m pkg`), ~4 s of torch each.
+        main = types.ModuleType("__main__")
+        main.__file__ = str(script)
+        main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
+        sys.modules["__main__"] = main
+        exec(compile(script.read_bytes(), str(script), "exec"), main.__dict__)
 
 
 def launch(nproc: int, argv: list[str], env: dict[str, str] | None = None,

