@@ -62,12 +62,13 @@ def _rank(argv: list[str], env: dict[str, str], log: str) -> None:
         sys.path.insert(0, str(script.parent))
         # The script is the main module, as under runpy.run_path, but with a module spec named "__main__": the
         # processes the rank spawns (megatron's checkpoint Manager, SGLang's scheduler and detokenizer) then skip
-        # importing it again first (multiprocessing.spawn, as for `python -m pkg`), ~4 s of torch each.
+        # importing it again first (multiprocessing.spawn, as for `python -m pkg`), ~4 s of torch each; so nothing
+        # the script defines can be sent to such a process (none is: object collectives between ranks are fine).
         main = types.ModuleType("__main__")
         main.__file__ = str(script)
         main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
         sys.modules["__main__"] = main
-        exec(compile(script.read_bytes(), str(script), "exec"), main.__dict__)
+        exec(compile(script.read_bytes(), str(script), "exec", dont_inherit=True), main.__dict__)
 
 
 def launch(nproc: int, argv: list[str], env: dict[str, str] | None = None,

@@ -167,7 +167,8 @@ def test_world_size_from_torchrun_is_checked(capsys, monkeypatch):
     code, _, err = run(capsys, "train", str(REPO / "configs/demo_cpu.yaml"), "--dry-run")
     assert code == 2 and "the launch has 4 ranks (WORLD_SIZE)" in err
     monkeypatch.setenv("RANK", "3")
-    monkeypatch.setattr(cli, "RANK0_GRACE_S", 0)  # the wait for rank 0 to say it (test_torchrun_* launch for real)
+    # the wait for rank 0 to say it: test_reliability_inputs.py::test_parallel_sizes_that_do_not_fit_under_torchrun
+    monkeypatch.setattr(cli, "RANK0_GRACE_S", 0)
     assert run(capsys, "train", str(REPO / "configs/demo_cpu.yaml"), "--dry-run") == (2, "", "")  # rank 0 reports
 
 

@@ -3,8 +3,9 @@ nodes whose first name is 127.0.0.1) and a fake `srun` that starts the per-node 
 processes, as Slurm would on two hosts. Each is a separate torchrun agent; they meet at a c10d rendezvous on
 127.0.0.1 and train 2 PPO steps at TP=2 inside a node and DP=2 across nodes. The reference is the same layout
 launched as 4 ranks on one node (tests/dist_util.launch, with torchrun's environment): same global ranks, same
-groups, same gloo reductions, so every metric that is not a clock reading must be bit-identical. A dense custom reward makes the compared numbers real
-(the random model never solves countdown, so the built-in score, advantages and gradients would all be zero).
+groups, same gloo reductions, so every metric that is not a clock reading must be bit-identical. A dense custom
+reward makes the compared numbers real (the random model never solves countdown, so the built-in score, advantages
+and gradients would all be zero).
 
 Also: every rank logs its host, global rank and TP/PP/DP coordinates at start-up, and a node that cannot reach
 the rendezvous fails in bounded time with the address and port in its output, through torchrun itself and
@@ -129,7 +130,7 @@ def layout_lines(text: str) -> dict[int, dict]:
 
 
 def test_two_node_launch_matches_single_node(assets, tmp_path):
-    """sbatch → 2 torchrun agents (2 ranks each) on a c10d rendezvous == one 4-rank torchrun, metric for metric."""
+    """sbatch → 2 torchrun agents (2 ranks each) on a c10d rendezvous == 4 ranks on one node, metric for metric."""
     single_dir, multi_dir = tmp_path / "single", tmp_path / "multi"
     # the reference's ranks get torchrun's environment from dist_util.launch (the launcher is not its subject)
     single = train_cli(WORLD, run_overrides(assets, single_dir, per_node=WORLD), timeout=240)

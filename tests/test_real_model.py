@@ -83,7 +83,8 @@ def _layout_results(results: list[dict], layouts: list[str]) -> None:
 
 
 def test_tp3_round_trips_bitwise_and_log_probs_match_hf(smollm2, tmp_path):
-    # TP1's round trip is the same code on the whole model: tests/test_models_convert.py, on tiny models
+    # TP1's round trip, on tiny models: tied Llama bitwise from TP2 x PP2 to TP1 (test_models_parallel.py's convert
+    # cases) and `mppo convert` in one process (test_models_convert.py)
     results = run_torchrun(REPO / "tests" / "dist" / "real_model_layouts.py", 3, tmp_path,
                            ["--hf", str(smollm2), "--layout", "3x1"], timeout=1500)
     _layout_results(results, ["tp3pp1"])
@@ -125,7 +126,7 @@ def test_demo_grpo_smoke_run_trains_and_exports(smollm2, tmp_path):
     for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "perf/mfu",
                 "timing_s/update_actor", "response_length/mean"):
         assert key in m[1], key
-    assert 0 < m[1]["perf/mfu"] < 1
+    assert 0 < m[1]["perf/mfu"] < 1 and m[1]["actor/grad_norm"] > 0  # some group's rewards differed: it trains
     assert "val/test_score/multiply" in m[1]
     for step in (0, 1):  # validation's wall time: positive, and well within the demo's
         assert 0 < m[step]["timing_s/testing"] < wall / 2, (step, m[step]["timing_s/testing"], wall)

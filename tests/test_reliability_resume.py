@@ -1,7 +1,8 @@
 """Crash-safe resume: SIGKILL during rollout, during the update and mid-checkpoint, a corrupt checkpoint, and a
 restart of the same command each time; the metrics must continue bit-identically to an uninterrupted run.
 
-Two ranks (DP=2) under torchrun, the real CLI, tiny assets. One chain of five launches in one run directory:
+Two ranks (DP=2) under torchrun, the real CLI, tiny assets. The uninterrupted reference's ranks are forked
+(tests/dist_util.train_cli: launching is not its subject); then one chain of four launches in one run directory:
 
     launch 1  kill rank 1 in step 2's rollout (gen)    → checkpoint 1 complete; torchrun stops rank 0 too
     launch 2  kill every rank in step 3's actor update  → resumes from 1, writes 2

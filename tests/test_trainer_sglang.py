@@ -270,7 +270,8 @@ def test_sglang_on_the_cpu_ignores_per_sample_seeds(launch):
 
 
 def test_memory_choreography_order(launch):
-    """The SGLang calls and trainer-state offloads of fit(): validation, then 3 x (generation phase, training)."""
+    """The SGLang calls and trainer-state offloads of fit(): validation, then 3 x (generation phase, training) for
+    PPO; 2 x (generation phase, actor update) for GRPO."""
     for r in launch:
         for name in CASES:
             events = " ".join(r[name]["events"]) + " "
@@ -279,6 +280,9 @@ def test_memory_choreography_order(launch):
             train = r"(actor\.compute_log_prob )?critic\.update actor\.update "
             pattern = GENERATION + f"({GENERATION}{train}){{3}}"
             assert re.fullmatch(pattern, events), (name, events)
+        # GRPO (no critic, no validation before training): the merged-LoRA case's 2 steps
+        events = " ".join(r["tp2_grpo_lora"]["events"]) + " "
+        assert re.fullmatch(f"({GENERATION}(actor\\.compute_log_prob )?actor\\.update ){{2}}", events), events
 
 
 def test_trainer_state_offload_frees_and_restores_bitwise(launch):
