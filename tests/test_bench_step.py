@@ -146,28 +146,30 @@ def test_scaling_growth_exponents_and_table():
 
 
 # ------------------------------------------------------------------------------------------------ the command
-def test_bench_step_runs_ppo_and_grpo_and_counts_every_token(tmp_path):
+def test_bench_step_runs_ppo_and_counts_every_token(tmp_path):
+    """PPO (GAE + critic) on one rank; GRPO's run is the MoE one below (one launch fewer, the same claims)."""
     out = tmp_path / "bench.json"
     env = {**os.environ, "MPPO_BENCH_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "mppo", "bench", "step", "--warmup", "0", "--steps", "1", "--repeats", "1",
-           "--batch", "4", "--n", "2", "--response-length", "8", "--hidden", "32", "--layers", "2",
+    cmd = [sys.executable, "-m", "mppo", "bench", "step", "--estimators", "gae", "--warmup", "0", "--steps", "1",
+           "--repeats", "1", "--batch", "4", "--n", "2", "--response-length", "8", "--hidden", "32", "--layers", "2",
            "--token-budget", "1024", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    for text in ("PPO (GAE + critic)", "GRPO", "update_critic", "tokens/s", "MFU", "padding, all phases"):
+    for text in ("PPO (GAE + critic)", "update_critic", "tokens/s", "MFU", "padding, all phases"):
         assert text in proc.stdout
-    result = json.loads(out.read_text())
-    for estimator, expected in (("gae", {"actor/log_prob", "ref/log_prob", "critic/values", "critic/update",
-                                         "actor/update"}),
-                                ("grpo", {"actor/log_prob", "ref/log_prob", "actor/update"})):
-        (measured,) = result["results"][estimator]["steps"]
-        assert set(measured["padding"]) == expected
-        # each row passes once through the old-log-prob forward: its real tokens are the trainer's token count
-        assert measured["padding"]["actor/log_prob"]["real"] == measured["tokens"]
-        for counts in measured["padding"].values():
-            assert 0 < counts["real"] <= counts["processed"]
-        summary = result["summaries"][estimator]
-        assert summary["tokens_per_s"] > 0 and 0 < summary["mfu"] < 1
+    assert_counts_every_token(json.loads(out.read_text()), "gae", {"actor/log_prob", "ref/log_prob", "critic/values",
+                                                                   "critic/update", "actor/update"})
+
+
+def assert_counts_every_token(result: dict, estimator: str, phases: set[str]) -> None:
+    (measured,) = result["results"][estimator]["steps"]
+    assert set(measured["padding"]) == phases
+    # each row passes once through the old-log-prob forward: its real tokens are the trainer's token count
+    assert measured["padding"]["actor/log_prob"]["real"] == measured["tokens"]
+    for counts in measured["padding"].values():
+        assert 0 < counts["real"] <= counts["processed"]
+    summary = result["summaries"][estimator]
+    assert summary["tokens_per_s"] > 0 and 0 < summary["mfu"] < 1
 
 
 def test_bench_generation_runs_both_sides_to_the_exact_length(tmp_path):
@@ -196,9 +198,9 @@ def test_token_counter_is_reset_and_totals():
     assert TOKEN_COUNTER.phases == {}
 
 
-def test_bench_step_runs_a_tiny_moe_at_ep2(tmp_path):
-    """GRPO on a random Qwen3-MoE (4 experts, top-2) at EP2 over 2 ranks: the run completes, says what it ran, and
-    counts the model's parameters in full (each rank holds half of the experts)."""
+def test_bench_step_runs_grpo_on_a_tiny_moe_at_ep2(tmp_path):
+    """GRPO on a random Qwen3-MoE (4 experts, top-2) at EP2 over 2 ranks: the run completes, says what it ran,
+    counts the model's parameters in full (each rank holds half of the experts) and every token of each phase."""
     out = tmp_path / "bench.json"
     env = {**os.environ, "MPPO_BENCH_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "mppo", "bench", "step", "--estimators", "grpo", "--nproc", "2", "--experts", "4",
@@ -218,4 +220,4 @@ def test_bench_step_runs_a_tiny_moe_at_ep2(tmp_path):
     config = json.loads((model_dir / "config.json").read_text())
     padding = (padded_vocab_size(config["vocab_size"], 1) - config["vocab_size"]) * config["hidden_size"]
     assert result["results"]["grpo"]["num_parameters"] == hf_params + 2 * padding  # embedding + output layer
-    assert result["summaries"]["grpo"]["tokens_per_s"] > 0
+    assert_counts_every_token(result, "grpo", {"actor/log_prob", "ref/log_prob", "actor/update"})
