@@ -165,7 +165,7 @@ def render(rows: list[dict]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ ranks
-class _PeakMemory:
+class PeakMemory:
     """The extra memory of a block: on CUDA the caching allocator's peak over what was allocated before; on the CPU
     the resident set's high-water mark over the resident set before (VmHWM reset through /proc/self/clear_refs)."""
 
@@ -174,7 +174,7 @@ class _PeakMemory:
         self.method = ("torch.cuda.max_memory_allocated - memory_allocated before (peak stats reset per pass)"
                        if self.cuda else "peak resident set (VmHWM, reset per pass) - resident set before")
 
-    def __enter__(self) -> "_PeakMemory":
+    def __enter__(self) -> "PeakMemory":
         import torch
 
         if self.cuda:
@@ -249,7 +249,7 @@ def rank_main(spec_path: str) -> None:
     ref = ReferenceWorker(model_cfg, RefConfig(log_prob_micro_batch_size_per_gpu=1, megatron=megatron), dims,
                           spec["hf"], logprob_impl="fused", kernel_backend="torch")
     batch = _one_sequence(spec["vocab"], spec["prompt"], spec["tokens"] - spec["prompt"])
-    memory = _PeakMemory(dims.device)
+    memory = PeakMemory(dims.device)
     measured = {}
     with memory:
         batch["old_log_probs"] = actor.compute_log_prob(batch, temperature=1.0)

@@ -2,30 +2,21 @@
 `--prompt` + `--response` tokens, with the peak memory each needs beyond what the process held before them.
 
 Run as a plain `python` subprocess per length by tests/test_long_sequences.py (a fresh process per length, so one
-length's high-water mark never hides the next one's); prints one JSON line. Memory: the process's peak resident
-set size (getrusage ru_maxrss, a kernel high-water mark) minus its RSS just before the pass, as mppo bench kernels
-measures it. With `--hf-check` the actor's log-probs are also compared with HF transformers' (SDPA attention,
+length's high-water mark never hides the next one's); prints one JSON line. Memory: the resident set's
+high-water mark during the pass (VmHWM, reset before it) minus the resident set just before it, as mppo bench
+long-context measures it (mppo.bench.long_context.PeakMemory). Before, the lifetime high-water mark (ru_maxrss)
+was read: when the model's build had peaked higher than a short pass, the pass was charged that old peak (CI: 2k
+and 4k both ~57 MB, so 8k looked like 2.8x 4k). With `--hf-check` the actor's log-probs are also compared with HF transformers' (SDPA attention,
 fp32) on the same sequence, after the memory was measured.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import time
 from pathlib import Path
 
 import torch
-
-
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def _rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
 
 
 def make_batch(vocab: int, prompt: int, response: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -47,6 +38,7 @@ def main() -> None:
     p.add_argument("--hf-check", action="store_true")
     opts = p.parse_args()
 
+    from mppo.bench.long_context import PeakMemory
     from mppo.config.schema import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
     from mppo.models.hf_config import read_hf_config
     from mppo.parallel import destroy, init_distributed
@@ -62,17 +54,17 @@ def main() -> None:
     res: dict = {"tokens": opts.prompt + opts.response, "impl": opts.impl,
                  "core_attention": type(actor.model[0].module.decoder.layers[0].self_attention.core_attention).__name__}
 
-    base = _rss()
     start = time.process_time()
-    log_probs = actor.compute_log_prob(batch, temperature=1.0)
+    with PeakMemory(torch.device("cpu")) as memory:
+        log_probs = actor.compute_log_prob(batch, temperature=1.0)
     res["log_prob_cpu_s"] = time.process_time() - start
-    res["log_prob_extra_bytes"] = _peak_rss() - base
+    res["log_prob_extra_bytes"] = memory.result["extra_bytes"]
     batch["old_log_probs"] = log_probs
-    base = _rss()
     start = time.process_time()
-    metrics = actor.update(batch, temperature=1.0)
+    with PeakMemory(torch.device("cpu")) as memory:
+        metrics = actor.update(batch, temperature=1.0)
     res["update_cpu_s"] = time.process_time() - start
-    res["update_extra_bytes"] = _peak_rss() - base
+    res["update_extra_bytes"] = memory.result["extra_bytes"]
     res["grad_norm"] = metrics["actor/grad_norm"]
     res["skipped"] = metrics["skipped"]
     res["log_probs_finite"] = bool(torch.isfinite(log_probs).all())
