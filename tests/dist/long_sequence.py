@@ -2,12 +2,12 @@
 `--prompt` + `--response` tokens, with the peak memory each needs beyond what the process held before them.
 
 Run as a plain `python` subprocess per length by tests/test_long_sequences.py (a fresh process per length, so one
-length's high-water mark never hides the next one's); prints one JSON line. Memory: the resident set's
-high-water mark during the pass (VmHWM, reset before it) minus the resident set just before it, as mppo bench
-long-context measures it (mppo.bench.long_context.PeakMemory). Before, the lifetime high-water mark (ru_maxrss)
-was read: when the model's build had peaked higher than a short pass, the pass was charged that old peak (CI: 2k
-and 4k both ~57 MB, so 8k looked like 2.8x 4k). With `--hf-check` the actor's log-probs are also compared with HF transformers' (SDPA attention,
-fp32) on the same sequence, after the memory was measured.
+length's high-water mark never hides the next one's); prints one JSON line. Memory: the resident set's high-water
+mark during the pass (VmHWM, reset before it) minus the resident set just before it, as mppo bench long-context
+measures it (mppo.bench.long_context.PeakMemory). Before, the lifetime high-water mark (ru_maxrss) was read: when
+the model's build had peaked higher than a short pass, the pass was charged that old peak (CI: 2k and 4k both ~57
+MB, so 8k looked like 2.8x 4k). With `--hf-check` the actor's log-probs are also compared with HF transformers'
+(SDPA attention, fp32) on the same sequence, after the memory was measured.
 """
 from __future__ import annotations
 

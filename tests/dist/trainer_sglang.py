@@ -289,6 +289,26 @@ def moe_check(trainer, out_dir: Path) -> dict:
             "exported_expert_tensors": expert_tensors}
 
 
+def after_fit_checks(trainer, cfg, case: dict, out: Path, name: str) -> None:
+    """What each kind of case checks once its fit() is done."""
+    from mppo.config.lora import adapter_sync
+
+    if cfg.actor_rollout_ref.rollout.multi_turn.enable:  # its checks are on the recorded rows
+        return
+    if cfg.actor_rollout_ref.actor.router_replay.mode == "R3":
+        case["ep"] = trainer.dims.ep
+        case["moe"] = moe_check(trainer, out / f"{name}_export_rank{os.environ['RANK']}")
+    elif adapter_sync(cfg):
+        case["weights"] = base_vs_exporter(trainer)
+        case["adapters"] = adapter_check(trainer, out / f"{name}_adapter")
+    else:
+        case["weights"] = weights_vs_exporter(trainer)
+        if cfg.actor_rollout_ref.model.lora.rank > 0:
+            case["lora_delta"] = merged_vs_base(trainer, Path(cfg.actor_rollout_ref.model.path))
+        if trainer.trainer_state.roles:
+            case["offload"] = offload_round_trip(trainer)
+
+
 def run(args, result: dict) -> None:
     logging.basicConfig(level=logging.WARNING)
     from mppo.config.lora import adapter_sync
@@ -331,29 +351,9 @@ def run(args, result: dict) -> None:
         case.update(spy(trainer, events))
         trainer.fit()
         case["events"] = list(events)
-        if cfg.actor_rollout_ref.actor.router_replay.mode == "R3":
-            case["ep"] = trainer.dims.ep
-            case["moe"] = moe_check(trainer, args.out / f"{name}_export_rank{os.environ['RANK']}")
-            close(trainer)
-            case["wall_s"] = time.monotonic() - began  # what the case adds to the launch (CI budget)
-            continue
-        if cfg.actor_rollout_ref.rollout.multi_turn.enable:  # its checks are on the recorded rows
-            close(trainer)
-            case["wall_s"] = time.monotonic() - began  # what the case adds to the launch (CI budget)
-            continue
-        if adapter_sync(cfg):
-            case["weights"] = base_vs_exporter(trainer)
-            case["adapters"] = adapter_check(trainer, args.out / f"{name}_adapter")
-            close(trainer)
-            case["wall_s"] = time.monotonic() - began  # what the case adds to the launch (CI budget)
-            continue
-        case["weights"] = weights_vs_exporter(trainer)
-        if cfg.actor_rollout_ref.model.lora.rank > 0:
-            case["lora_delta"] = merged_vs_base(trainer, Path(cfg.actor_rollout_ref.model.path))
-        if trainer.trainer_state.roles:
-            case["offload"] = offload_round_trip(trainer)
+        after_fit_checks(trainer, cfg, case, args.out, name)
         close(trainer)
-        case["wall_s"] = time.monotonic() - began
+        case["wall_s"] = time.monotonic() - began  # what the case adds to the launch (CI budget)
     rollout.shutdown()
 
 
