@@ -4,11 +4,12 @@ Layout of a model checkpoint directory:
     <dir>/model/   dist_checkpointing files (sharded state of every model chunk)
     <dir>/hf/      config.json (+ tokenizer files when known): enough to rebuild the model and export to HF
 
-Note: dist_checkpointing.save starts a `spawn` multiprocessing Manager, so a script that saves needs an
-`if __name__ == "__main__":` guard.
+Every save goes through `save_sharded`: dist_checkpointing.save, synchronous, with megatron's write results kept in
+the saving process (see there).
 """
 from __future__ import annotations
 
+import queue
 from pathlib import Path
 from typing import Sequence
 
@@ -56,6 +57,23 @@ def load_chunk_state(chunk: nn.Module, state: dict) -> None:
         raise KeyError(f"LoRA checkpoint: missing adapters {adapters_missing[:3]}, unexpected keys {unexpected[:3]}")
 
 
+def save_sharded(sharded_state: dict, directory: str | Path) -> None:
+    """`dist_checkpointing.save(sharded_state, directory)` (collective).
+
+    The save is synchronous: megatron's writer runs in this process (its forked writers hand their results back to
+    it), so the results need no queue between processes. Megatron's default is one for its asynchronous saves, a
+    multiprocessing Manager in a spawned process: per rank a process that imports torch at the first save (~3 s
+    of CPU) and that would outlive a killed rank, holding the launcher's output pipe open (`torchrun ... | tee`
+    would never end). An in-process queue takes its place, once per process.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:  # megatron creates it lazily (_get_write_results_queue)
+        filesystem_async._results_queue = queue.Queue()  # put / get_nowait, as the Manager's proxy
+    dist_checkpointing.save(sharded_state, str(directory))
+
+
 def _is_writer() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -63,14 +81,12 @@ def _is_writer() -> bool:
 def save_model_checkpoint(model_chunks: Sequence[nn.Module], ckpt_dir: str | Path, args: HFModelArgs, *,
                           tokenizer_dir: str | Path | None = None, overwrite: bool = False) -> None:
     """Write the model as a dist checkpoint plus its HF config (collective; atomic)."""
-    from megatron.core import dist_checkpointing
-
     with atomic_directory(ckpt_dir, overwrite=overwrite) as tmp:
         if _is_writer():
             (tmp / MODEL_SUBDIR).mkdir()
         if dist.is_initialized():
             dist.barrier()
-        dist_checkpointing.save(model_sharded_state_dict(model_chunks), str(tmp / MODEL_SUBDIR))
+        save_sharded(model_sharded_state_dict(model_chunks), tmp / MODEL_SUBDIR)
         if _is_writer():
             write_hf_metadata(tmp / HF_SUBDIR, args, tokenizer_dir)
 

@@ -52,7 +52,7 @@ from mppo.trainer.parallel_io import ModelParallelIO
 from mppo.trainer.resume import open_checkpoints
 from mppo.trainer.rollout_batch import all_gather_rows, build_rollout_batch, local_rows
 from mppo.trainer.hooks import GenerationDump, StepHooks
-from mppo.trainer.watchdog import StallWatchdog, process_group_timeout_s, tie_checkpoint_helpers_to_rank
+from mppo.trainer.watchdog import StallWatchdog, process_group_timeout_s
 from mppo.workers.batch_schema import FILTER_METRIC, UNREJECTED_MASK, read_by
 
 log = logging.getLogger("mppo")
@@ -97,7 +97,6 @@ class PPOTrainer:
         self.run_dir = Path(cfg.trainer.default_local_dir)
         self.io = ModelParallelIO(self.dims)
         self.watchdog = StallWatchdog(cfg.trainer.collective_timeout_s, self.dims.rank)
-        tie_checkpoint_helpers_to_rank()  # no orphan processes when this rank is killed
         self.ckpt, self.resume_from = open_checkpoints(cfg, self.dims)  # before the models: a wrong one stops here
         self.total_steps = _total_steps(cfg, len(self.data.train_loader))
         self.old_log_prob_source = old_log_prob_source(cfg)

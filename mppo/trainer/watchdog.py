@@ -11,17 +11,11 @@ stack (or not at all for a rank that hangs in its own code) and NCCL aborts with
 The collectives release the GIL while they wait, so the watcher runs. For code that blocks while holding the
 GIL, `faulthandler` (a C thread) is armed a little later as a backstop: it dumps the stacks and exits with 1.
 The process group's own timeout is set beyond both (`process_group_timeout_s`).
-
-A rank killed outright (OOM killer, preemption, SIGKILL) must not leave helpers behind either: megatron's
-dist_checkpointing keeps a spawned multiprocessing Manager for its write results, which would outlive the rank
-forever and hold the launcher's output pipe open (`torchrun ... | tee log` would never end).
-`tie_checkpoint_helpers_to_rank` starts that Manager itself, with the kernel told to kill it with its rank.
 """
 from __future__ import annotations
 
 import faulthandler
 import os
-import signal
 import sys
 import threading
 import time
@@ -112,33 +106,3 @@ class StallWatchdog:
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         time.sleep(GRACE_S)
         os._exit(STALL_EXIT_CODE)
-
-
-# ------------------------------------------------------------------------------------------------ helper processes
-_checkpoint_helper = None  # the Manager; kept referenced, since collecting it would shut its server down
-
-
-def tie_checkpoint_helpers_to_rank() -> None:
-    """Give megatron's dist_checkpointing a results queue whose Manager process dies with this rank (Linux)."""
-    global _checkpoint_helper
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if not sys.platform.startswith("linux") or filesystem_async._results_queue is not None:
-        return
-    import multiprocessing
-    from multiprocessing.managers import SyncManager
-
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # spawn, like megatron's own
-    manager.start(_die_with_parent, (os.getpid(),))
-    filesystem_async._results_queue = manager.Queue()  # megatron creates it lazily in _get_write_results_queue
-    _checkpoint_helper = manager
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Runs first in a helper process: the kernel SIGKILLs it when the thread that started it ends."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the rank died before prctl took effect: nobody would signal us
-        os._exit(0)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from mppo.errors import UserError
 from mppo.models.atomic import atomic_directory
 from mppo.models.builders import unwrap_model
-from mppo.models.checkpoint import HF_SUBDIR, MODEL_SUBDIR, load_chunk_state, model_sharded_state_dict
+from mppo.models.checkpoint import HF_SUBDIR, MODEL_SUBDIR, load_chunk_state, model_sharded_state_dict, save_sharded
 from mppo.models.lora import lora_info
 from mppo.models.lora_io import lora_mismatch, write_lora_meta
 from mppo.models.pickle_vetting import vet_checkpoint_dir
@@ -200,8 +200,6 @@ def save_worker_checkpoint(worker, ckpt_dir: str | Path, *, extra_state: dict[st
     `extra_state`: small JSON-serialisable data of the caller (trainer step, data position, ...), returned by
     `load_worker_checkpoint`.
     """
-    from megatron.core import dist_checkpointing
-
     extra = json.loads(json.dumps(extra_state or {}))  # fail early (on every rank) if it is not JSON
     optimizer = getattr(worker, "optimizer", None)
     scheduler = getattr(worker, "scheduler", None)
@@ -210,8 +208,7 @@ def save_worker_checkpoint(worker, ckpt_dir: str | Path, *, extra_state: dict[st
             (tmp / MODEL_SUBDIR).mkdir()
             (tmp / RNG_SUBDIR).mkdir()
         _barrier()
-        dist_checkpointing.save(_sharded_state(worker, with_optimizer=optimizer is not None, is_loading=False),
-                                str(tmp / MODEL_SUBDIR))
+        save_sharded(_sharded_state(worker, with_optimizer=optimizer is not None, is_loading=False), tmp / MODEL_SUBDIR)
         rng = {"coords": [worker.dims.tp_rank, worker.dims.pp_rank, worker.dims.dp_rank],
                "state": capture_rng_state()}
         (tmp / RNG_SUBDIR / f"rank{_rank()}.json").write_text(json.dumps(rng))
