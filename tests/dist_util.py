@@ -2,10 +2,11 @@
 on them and collect what each rank reports (`run_torchrun`, the pytest side), and the rank side of such a script
 (`rank_main`).
 
-A rank pays ~8 s of torch + megatron-core imports. `launch` forks its ranks from a server that imported them once
-per pytest process (multiprocessing's forkserver with those modules preloaded; nothing has run in it, so nothing
-is shared but imported code), so a launch costs its work, not its imports. The real torchrun path stays covered
-where it is the subject: the CLI, multi-node, kill/resume, stall and demo tests launch `torchrun` itself.
+A rank pays ~8 s of torch + megatron-core imports, a trainer rank ~4 s more. `launch` forks its ranks from a server
+that imported them once per pytest process (multiprocessing's forkserver with those modules preloaded; nothing has
+run in it, so nothing is shared but imported code), so a launch costs its work, not its imports. The real torchrun
+path stays covered where it is the subject: the CLI, multi-node, kill/resume, stall and demo tests launch
+`torchrun` itself.
 One launch should still check many cases: the script runs them all and writes one JSON file per rank.
 """
 from __future__ import annotations
@@ -30,10 +31,17 @@ from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
-# what every rank imports before its first line of work; anything whose import reads the environment differently
-# per launch must not be here (the server imports it once, with pytest's environment)
+# What the ranks import before their first line of work: torch and megatron-core, then what a trainer rank imports
+# on top (transformers' tokenizers and the HF models of the tests' tiny checkpoints, mppo's trainer, workers and
+# CPU engine, matplotlib for the run's plot): ~8 s, then ~4 s more of CPU per rank, paid once per pytest process.
+# Anything whose import reads the environment differently per launch must not be here (the server imports it
+# once, with pytest's environment; mppo reads its variables when it runs, not at import).
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
-           "megatron.core.distributed", "megatron.core.pipeline_parallel"]
+           "megatron.core.distributed", "megatron.core.pipeline_parallel",
+           "transformers", "transformers.models.auto.tokenization_auto", "transformers.models.qwen2.modeling_qwen2",
+           "transformers.models.llama.modeling_llama", "transformers.models.qwen3_moe.modeling_qwen3_moe",
+           "mppo.cli", "mppo.trainer.fit", "mppo.workers.actor", "mppo.workers.critic", "mppo.workers.reference",
+           "mppo.rollout.factory", "mppo.rollout.cpu_engine", "matplotlib.figure", "matplotlib.backends.backend_agg"]
 
 
 def free_port() -> int:
@@ -74,7 +82,8 @@ def _rank(argv: list[str], env: dict[str, str], log: str) -> None:
 def launch(nproc: int, argv: list[str], env: dict[str, str] | None = None,
            timeout: float = 600) -> subprocess.CompletedProcess:
     """Run `python argv...` on `nproc` local ranks with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...),
-    from REPO, and return the ranks' stdout and stderr (each in rank order) and the first failing rank's exit code.
+    from REPO, and return the ranks' stdout and stderr (each in rank order) and the first failing rank's exit code
+    (`exit_codes`: every rank's).
 
     Like torchrun, a failing rank ends the others (after a 10 s grace for them to report); past `timeout` all are
     killed and the output so far is in the raised TimeoutError.
@@ -111,8 +120,10 @@ def launch(nproc: int, argv: list[str], env: dict[str, str] | None = None,
                 if now > deadline:
                     raise TimeoutError(f"{argv} on {nproc} ranks ran past {timeout:.0f} s:\n"
                                        f"{output('.out')[-4000:]}\n{output('.err')[-8000:]}")
-        return subprocess.CompletedProcess(argv, next((p.exitcode for p in ranks if p.exitcode != 0), 0),
+        done = subprocess.CompletedProcess(argv, next((p.exitcode for p in ranks if p.exitcode != 0), 0),
                                            output(".out"), output(".err"))
+        done.exit_codes = [p.exitcode for p in ranks]  # every rank's, in rank order (-9: SIGKILL)
+        return done
     finally:
         shutil.rmtree(logs, ignore_errors=True)
 
