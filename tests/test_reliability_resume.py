@@ -1,8 +1,9 @@
 """Crash-safe resume: SIGKILL during rollout, during the update and mid-checkpoint, a corrupt checkpoint, and a
 restart of the same command each time; the metrics must continue bit-identically to an uninterrupted run.
 
-Two ranks (DP=2) under torchrun, the real CLI, tiny assets. The uninterrupted reference's ranks are forked
-(tests/dist_util.train_cli: launching is not its subject); then one chain of four launches in one run directory:
+Two ranks (DP=2), the real CLI, tiny assets. The uninterrupted reference's ranks are forked (tests/dist_util.train_cli:
+launching is not its subject); then one chain of four launches in one run directory, the first under torchrun (a
+rank's death is its subject), the others with forked ranks (what they test is what the run directory holds):
 
     launch 1  kill rank 1 in step 2's rollout (gen)    → checkpoint 1 complete; torchrun stops rank 0 too
     launch 2  kill every rank in step 3's actor update  → resumes from 1, writes 2
@@ -47,7 +48,7 @@ def _overrides(assets: Path, run_dir: Path) -> list[str]:
 def _killed(launch, rank: str = r"\d") -> None:
     assert launch.returncode != 0, launch.output[-3000:]
     assert re.search(rf"mppo: fault injection \[rank {rank}\]: kill at step", launch.output), launch.output[-3000:]
-    assert -9 in launch.child_exit_codes(), launch.output[-3000:]  # SIGKILL, as torchrun reports it
+    assert -9 in launch.child_exit_codes(), launch.output[-3000:]  # SIGKILL
 
 
 def _flip_a_byte(path: Path) -> None:
@@ -59,13 +60,13 @@ def _flip_a_byte(path: Path) -> None:
 def test_kill_anywhere_then_restart_continues_bit_identically(assets, tmp_path):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
 
-    def launch(name: str, run_dir: Path, fault: str | None = None):
+    def launch(name: str, run_dir: Path, fault: str | None = None, forked: bool = True):
         return train(_overrides(assets, run_dir), env={"MPPO_FAULT": fault} if fault else None,
-                     log=tmp_path / f"{name}.log")
+                     log=tmp_path / f"{name}.log", forked=forked)
 
     train_cli(2, _overrides(assets, straight))  # the uninterrupted reference (ranks forked: not the subject here)
 
-    first = launch("first", crashed, "kill@step:2:phase:gen:rank:1")
+    first = launch("first", crashed, "kill@step:2:phase:gen:rank:1", forked=False)
     _killed(first, "1")
     assert "fault injection [rank 0]" not in first.output  # rank 0 was stopped by torchrun, not by the fault
     ckpts = crashed / "checkpoints"
