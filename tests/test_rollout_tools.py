@@ -183,7 +183,10 @@ def sandbox_mode(request, monkeypatch):
 def test_a_fork_bomb_is_contained_and_the_trainer_lives(marker, sandbox_mode):
     """RLIMIT_NPROC stops the forks (also as root: the tool runs as another uid), the call ends with the error,
     and none of the forked processes is left. The bomb is capped at 400 forks so that the old runner, which has no
-    limit, survives running it (it leaves 400 sleeping processes, which the fixture kills)."""
+    limit, survives running it (it leaves 400 sleeping processes, which the fixture kills). The limit is 16 here,
+    not the default 64: each fork copies the page tables of a pytest worker holding torch, and on a loaded 2-core
+    machine 64 of them took longer than the 20 s timeout (CI, once)."""
+    from mppo.rollout.tool_sandbox import SandboxLimits
 
     def bomb(name):
         _set_name(name)
@@ -194,7 +197,8 @@ def test_a_fork_bomb_is_contained_and_the_trainer_lives(marker, sandbox_mode):
         return "forked 400 processes"
 
     start = time.monotonic()
-    text = run_tool_call(ToolCall("bomb", {"name": marker}), timeout_s=20, max_chars=256, registry={"bomb": bomb})
+    text = run_tool_call(ToolCall("bomb", {"name": marker}), timeout_s=20, max_chars=256, registry={"bomb": bomb},
+                         limits=SandboxLimits(processes=16))
     assert text.startswith("error: BlockingIOError: [Errno 11] Resource temporarily unavailable"), text
     assert time.monotonic() - start < 15  # cut by the process limit, not the 20 s timeout
     assert _named(marker) == []
