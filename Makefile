@@ -53,10 +53,13 @@ demo: $(STAMP)
 demo-tiny: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" RUN_DIR="$${RUN_DIR:-runs/demo-tiny}" bash launch/demo_cpu.sh
 
-# Two pytest-xdist workers (a file's tests on one worker), then the tests that measure the machine, alone; both
-# parts always run, and `make test` fails if either does (exit 5: PYTEST_ARGS selected none of a part's tests).
+# Two pytest-xdist workers (a file's tests on one worker, files in tests/conftest.py's order: xdist would otherwise
+# start the files with the most tests first and leave the few long ones for the end), then the tests that measure
+# the machine, alone; both parts always run, and `make test` fails if either does (exit 5: PYTEST_ARGS selected
+# none of a part's tests).
 test: $(STAMP) $(SGLANG_STAMP)
-	$(BIN)/python -m pytest tests -n 2 --dist loadfile -m "not serial" $(PYTEST_ARGS); parallel=$$?; \
+	$(BIN)/python -m pytest tests -n 2 --dist loadfile --no-loadscope-reorder -m "not serial" $(PYTEST_ARGS); \
+	parallel=$$?; \
 	$(BIN)/python -m pytest tests -m serial $(PYTEST_ARGS); serial=$$?; \
 	for code in $$parallel $$serial; do [ $$code -eq 0 ] || [ $$code -eq 5 ] || exit $$code; done
 

@@ -40,7 +40,7 @@ setup(
         # reading GGUF files (`mppo convert gguf-to-hf`, the real-model demo): transformers needs both
         "gguf": ["gguf", "accelerate"],
         # triton is here too: its kernels are tested on CPU under TRITON_INTERPRET=1; gguf: the real-model tests.
-        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "triton", "gguf", "accelerate", "peft"],
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3.6", "triton", "gguf", "accelerate", "peft"],
     },
     entry_points={"console_scripts": ["mppo=mppo.cli:main"]},
 )

@@ -10,12 +10,14 @@ if not os.environ.get("MPPO_TEST_ON_GPU"):
 # Tests run on 2 CPU cores shared by several processes: one intra-op thread each keeps them from thrashing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# The files that take longest (seconds, one worker, 2026-12-07), started first: with them last, one worker ends the
-# run alone on the longest file while the other idles.
-SLOW_FILES_FIRST = ["test_trainer_async", "test_trainer_sglang", "test_real_model", "test_trainer_e2e", "test_demo",
-                    "test_workers_parallel", "test_trainer_moe", "test_multinode", "test_reliability_resume",
-                    "test_models_moe", "test_models_parallel", "test_rollout_sglang_cpu",
-                    "test_trainer_dynamic_sampling", "test_weight_sync", "test_bench_step"]
+# The files that take longest (2026-12-08, slowest first), started first: with them last, one worker ends the run
+# alone on a long file while the other idles (the Makefile passes --no-loadscope-reorder, or xdist would start the
+# files with the most tests first).
+SLOW_FILES_FIRST = ["test_trainer_sglang", "test_demo", "test_trainer_async", "test_real_model",
+                    "test_workers_parallel", "test_trainer_moe", "test_trainer_e2e", "test_rollout_sglang_cpu",
+                    "test_multinode", "test_weight_sync", "test_bench_step", "test_doctor", "test_models_moe",
+                    "test_models_parallel", "test_trainer_dynamic_sampling", "test_reliability_resume",
+                    "test_reliability_numerics"]
 
 
 def pytest_collection_modifyitems(items):
