@@ -82,7 +82,8 @@ def test_partial_rollouts_abort_and_go_on_on_the_new_weights(tiers):
     assert partial["same_weights_tokens_equal"] and partial["same_weights_interrupted"] > 0, partial
     assert partial["same_weights_log_prob_gap"] < 1e-4, partial
     assert partial["new_weights_log_prob_error"] < 5e-5, partial  # 96 tokens deep (1e-5 at 8 tokens above)
-    assert partial["new_weights_lengths"] == [96] * 4 and all(0 < cut < 96 for cut in partial["new_weights_cuts"])
+    assert partial["new_weights_lengths"] == [96] * 4 and all(0 < cut < 96 for cut in partial["new_weights_cuts"]), (
+        partial["new_weights_attempts"])
 
 
 def test_an_idle_engine_leaves_the_cpu_to_the_trainer(tiers):
