@@ -5,8 +5,8 @@ on them and collect what each rank reports (`run_torchrun`, the pytest side), an
 A rank pays ~8 s of torch + megatron-core imports, a trainer rank ~4 s more. `launch` forks its ranks from a server
 that imported them once per pytest process (multiprocessing's forkserver with those modules preloaded; nothing has
 run in it, so nothing is shared but imported code), so a launch costs its work, not its imports. The real torchrun
-path stays covered where it is the subject: the CLI, multi-node, kill/resume, stall and demo tests launch
-`torchrun` itself.
+path stays covered where it is the subject: the CLI, multi-node, stall and demo tests and the first launch of the
+kill/resume chain launch `torchrun` itself.
 One launch should still check many cases: the script runs them all and writes one JSON file per rank.
 """
 from __future__ import annotations
@@ -69,9 +69,9 @@ def _rank(argv: list[str], env: dict[str, str], log: str) -> None:
         script = Path(argv[0]).resolve()
         sys.path.insert(0, str(script.parent))
         # The script is the main module, as under runpy.run_path, but with a module spec named "__main__": the
-        # processes the rank spawns (megatron's checkpoint Manager, SGLang's scheduler and detokenizer) then skip
-        # importing it again first (multiprocessing.spawn, as for `python -m pkg`), ~4 s of torch each; so nothing
-        # the script defines can be sent to such a process (none is: object collectives between ranks are fine).
+        # processes the rank spawns (SGLang's scheduler and detokenizer) then skip importing it again first
+        # (multiprocessing.spawn, as for `python -m pkg`), ~4 s of torch each; so nothing the script defines can be
+        # sent to such a process (none is: object collectives between ranks are fine).
         main = types.ModuleType("__main__")
         main.__file__ = str(script)
         main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)

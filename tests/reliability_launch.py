@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from dist_util import REPO, free_port
+from dist_util import REPO, free_port, launch
 from e2e_assets import make_assets
 
 # Keys that measure the machine, not the computation: they may differ between a resumed and a straight run.
@@ -46,7 +46,8 @@ def train(overrides: list[str], *, world: int | None = 2, env: dict[str, str] | 
     Fails if any process of the launch outlives it (an orphan would also hold the output pipe open).
     forked=True: the ranks are forked with their imports done (tests/dist_util.launch, ~15 s of CPU less per rank),
     for the launches of a chain whose subject is the run, not torchrun; their output is every rank's stdout, then
-    every rank's stderr, and `marks` are not timed.
+    every rank's stderr, `marks` are not timed, and no process is looked for afterwards (the launcher joins its
+    ranks).
     """
     if forked:
         return _train_forked(overrides, world or 1, env, timeout, log)
@@ -90,8 +91,6 @@ def train(overrides: list[str], *, world: int | None = 2, env: dict[str, str] | 
 
 def _train_forked(overrides: list[str], world: int, env: dict[str, str] | None, timeout: float,
                   log: Path | None) -> Launch:
-    from dist_util import launch
-
     start = time.monotonic()
     # os.environ's MPPO_FAULT, if any, is the launching test's, not this launch's
     proc = launch(world, ["-m", "mppo", "train", "configs/demo_cpu.yaml", *overrides],
